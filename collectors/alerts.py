@@ -1,0 +1,242 @@
+"""Non-finite gradient alerts: one event per step, sent to every configured sink, rate-limited.
+
+Sinks: Python logging, a JSONL file, a webhook (HTTP POST of JSON with a Slack-compatible `text`
+field, sent from a background thread), and MLflow tags on the run (through the writer). Sinks
+marked `rate_limited` get at most `burst` events per `interval_s`, then one summary of what was held
+back; the JSONL file and the tags record every event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from collectors import keys
+
+log = logging.getLogger("rldiag.alerts")
+
+
+def _num(v: float) -> float | str:
+    """JSON-safe number: NaN/inf become strings, so any JSON parser reads the event."""
+    return v if math.isfinite(v) else str(v)
+
+
+@dataclass
+class NonFiniteGradAlert:
+    """A step whose gradients hold NaN or inf."""
+
+    run_id: str
+    step: int
+    grad_norm: float
+    params: list[str]
+    positions: list[dict] = field(default_factory=list)  # {"micro_batch", "sample", "position"}
+    nonfinite_positions: int = 0
+    run_name: str | None = None
+    time: float = field(default_factory=time.time)
+    kind: str = "nonfinite_grad"
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["grad_norm"] = _num(self.grad_norm)
+        d["text"] = self.text()
+        return d
+
+    def text(self) -> str:
+        shown = ", ".join(self.params[:5]) + (f" and {len(self.params) - 5} more" if len(self.params) > 5 else "")
+        where = ""
+        if self.positions:
+            pos = ", ".join(
+                f"sample {p['sample']}" + (f" token {p['position']}" if p.get("position") is not None else "")
+                for p in self.positions[:5]
+            )
+            where = f"; non-finite at {pos}" + (f" ({self.nonfinite_positions} positions)" if self.nonfinite_positions > 5 else "")
+        name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
+        return (
+            f"rldiag: non-finite gradients in run {name} at step {self.step}: grad_norm={self.grad_norm}; "
+            f"{len(self.params)} parameter tensor(s): {shown}{where}"
+        )
+
+
+class Sink(Protocol):
+    rate_limited: bool
+
+    def send(self, event: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LoggingSink:
+    """Logs each event's text at WARNING on the `rldiag.alerts` logger."""
+
+    rate_limited = True
+
+    def __init__(self, logger: logging.Logger = log, level: int = logging.WARNING):
+        self.logger, self.level = logger, level
+
+    def send(self, event: dict) -> None:
+        self.logger.log(self.level, "%s", event["text"])
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends every event as one JSON line."""
+
+    rate_limited = False
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def send(self, event: dict) -> None:
+        line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+
+    def close(self) -> None:
+        pass
+
+
+def redact_url(url: str) -> str:
+    """Scheme and host only: webhook paths and queries carry secrets."""
+    p = urllib.parse.urlsplit(url)
+    return f"{p.scheme}://{p.hostname or ''}{':' + str(p.port) if p.port else ''}/..."
+
+
+class WebhookSink:
+    """POSTs each event as JSON (with a Slack-compatible `text`) from a background thread.
+
+    The URL comes from configuration only and is never logged in full (see `redact_url`).
+    """
+
+    rate_limited = True
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0, retries: int = 2):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"webhook URL must start with http:// or https://; got {redact_url(url)!r}")
+        self._url, self._timeout, self._retries = url, timeout_s, retries
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.sent = 0
+        self.failed = 0
+        self._thread = threading.Thread(target=self._loop, name="rldiag-webhook", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"WebhookSink({redact_url(self._url)!r})"
+
+    def send(self, event: dict) -> None:
+        self._q.put(event)
+
+    def _loop(self) -> None:
+        while (event := self._q.get()) is not None:
+            body = json.dumps(event, default=str).encode()
+            for attempt in range(self._retries + 1):
+                try:
+                    req = urllib.request.Request(self._url, data=body, headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=self._timeout) as resp:
+                        resp.read()
+                    self.sent += 1
+                    break
+                except Exception as e:  # noqa: BLE001 - report, never crash the trainer
+                    if attempt == self._retries:
+                        self.failed += 1
+                        log.warning("rldiag: webhook %s failed: %s", redact_url(self._url), type(e).__name__)
+                    else:
+                        time.sleep(0.5 * 2**attempt)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
+
+
+class MlflowTagSink:
+    """Records alerts as tags on the run, through the writer: count, first step, the last event."""
+
+    rate_limited = False
+
+    def __init__(self, set_tags):
+        self._set_tags = set_tags
+        self.count = 0
+        self.first_step: int | None = None
+
+    def send(self, event: dict) -> None:
+        if event.get("kind") != "nonfinite_grad":
+            return
+        self.count += 1
+        if self.first_step is None:
+            self.first_step = event["step"]
+        last = json.dumps({k: event[k] for k in ("step", "grad_norm", "params", "positions") if k in event}, default=str)
+        self._set_tags({
+            keys.TAG_ALERT_COUNT: str(self.count),
+            keys.TAG_ALERT_FIRST_STEP: str(self.first_step),
+            keys.TAG_ALERT_LAST: last[:5000],
+        })
+
+    def close(self) -> None:
+        pass
+
+
+class AlertDispatcher:
+    """Sends events to every sink; rate-limited sinks get `burst` events per `interval_s`, then a summary."""
+
+    def __init__(self, sinks: list[Sink], *, burst: int = 3, interval_s: float = 300.0, clock=time.monotonic):
+        self.sinks = list(sinks)
+        self.burst, self.interval_s, self._clock = burst, interval_s, clock
+        self._window_start: float | None = None
+        self._sent_in_window = 0
+        self._held: list[int] = []  # steps held back from rate-limited sinks
+        self.total = 0
+
+    def emit(self, alert: NonFiniteGradAlert) -> None:
+        self.total += 1
+        event = alert.as_dict()
+        now = self._clock()
+        if self._window_start is None or now - self._window_start >= self.interval_s:
+            self._flush_summary(alert.run_id, alert.run_name)
+            self._window_start, self._sent_in_window = now, 0
+        limited_ok = self._sent_in_window < self.burst
+        if limited_ok:
+            self._sent_in_window += 1
+        else:
+            self._held.append(alert.step)
+        for sink in self.sinks:
+            if limited_ok or not sink.rate_limited:
+                self._send(sink, event)
+
+    def _flush_summary(self, run_id: str, run_name: str | None) -> None:
+        if not self._held:
+            return
+        n, first, last = len(self._held), self._held[0], self._held[-1]
+        self._held = []
+        event = {
+            "kind": "summary", "run_id": run_id, "run_name": run_name, "suppressed": n,
+            "first_step": first, "last_step": last, "time": time.time(),
+            "text": f"rldiag: run {run_name or run_id} had {n} more non-finite gradient step(s), steps {first}..{last} "
+                    f"(alerts rate-limited to {self.burst} per {self.interval_s:g} s)",
+        }
+        for sink in self.sinks:
+            if sink.rate_limited:
+                self._send(sink, event)
+
+    @staticmethod
+    def _send(sink: Sink, event: dict) -> None:
+        try:
+            sink.send(event)
+        except Exception as e:  # noqa: BLE001 - a broken sink must not stop the others or the run
+            log.warning("rldiag: alert sink %r failed: %s: %s", sink, type(e).__name__, e)
+
+    def close(self, run_id: str = "", run_name: str | None = None) -> None:
+        self._flush_summary(run_id, run_name)
+        for sink in self.sinks:
+            sink.close()

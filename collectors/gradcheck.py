@@ -1,0 +1,159 @@
+"""Gradient finiteness: total pre-clip norm, the finite flag, the guilty parameters, samples and tokens.
+
+Run the check after `backward()` and before clipping and `optimizer.step()`: clipping a NaN total
+norm multiplies every gradient by NaN, and afterwards every parameter looks guilty.
+
+Cost on a finite step: one `_foreach_norm` over the gradients and one host transfer (shared with the
+step's other metrics when called through `Monitor`). Only a non-finite step pays for more: an exact
+per-tensor check and reading the logits probe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+Tensor = torch.Tensor
+
+
+def named_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Parameter]):
+    """`[(name, grad)]` of the parameters that hold a gradient; unnamed parameters are called `param.<i>`."""
+    items = params.named_parameters() if isinstance(params, nn.Module) else params
+    out = []
+    for i, item in enumerate(items):
+        name, p = item if isinstance(item, tuple) else (f"param.{i}", item)
+        if p.grad is not None:
+            out.append((name, p.grad))
+    return out
+
+
+def grad_norm_stats(grads: list[Tensor]) -> Tensor:
+    """`[total_norm, norm_0, ..., norm_n-1]` as one float32 tensor on the first gradient's device.
+
+    A per-tensor norm is finite whenever every element is finite (a finite tensor whose squared sum
+    overflows float32 also reads non-finite: the exact check in `nonfinite_names` settles it).
+    """
+    if not grads:
+        return torch.zeros(1)
+    device = grads[0].device
+    norms = torch._foreach_norm([g.detach() for g in grads], 2.0)
+    per = torch.stack([n.to(device, torch.float32) for n in norms])
+    return torch.cat([torch.linalg.vector_norm(per).reshape(1), per])
+
+
+def nonfinite_names(named: list[tuple[str, Tensor]], norms: list[float]) -> list[str]:
+    """Names of the parameters whose gradient holds a NaN or inf element.
+
+    Only tensors whose norm was non-finite are checked element by element (failure path only).
+    """
+    suspects = [(n, g) for (n, g), v in zip(named, norms) if not _isfinite(v)]
+    if not suspects:
+        return []
+    flags = torch.stack([(~torch.isfinite(g)).any().to("cpu") for _, g in suspects]).tolist()
+    return [n for (n, _), bad in zip(suspects, flags) if bad]
+
+
+def _isfinite(v: float) -> bool:
+    return v == v and v not in (float("inf"), float("-inf"))
+
+
+@dataclass
+class NonFinitePosition:
+    """A place in the batch whose loss gradient w.r.t. the watched tensor is non-finite."""
+
+    micro_batch: int
+    sample: int
+    position: int | None  # None when the watched tensor has no token dimension
+
+    def as_dict(self) -> dict:
+        return {"micro_batch": self.micro_batch, "sample": self.sample, "position": self.position}
+
+
+@dataclass
+class LogitsProbe:
+    """Records which samples and token positions receive non-finite gradients through a tensor.
+
+    `watch(logits)` registers a tensor hook (call it once per micro-batch, on the model's output
+    logits or any `[B, T, ...]` tensor). The hook keeps, on the device and without synchronising, a
+    `[B, T]` flag per micro-batch; `positions()` reads them (failure path only). The per-position flag
+    comes from the sum over the remaining dimensions, which is non-finite whenever an element is.
+    """
+
+    max_positions: int = 64
+    _flags: list[Tensor] = field(default_factory=list, repr=False)
+
+    def watch(self, tensor: Tensor) -> Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        index = len(self._flags)
+        self._flags.append(torch.zeros(0, dtype=torch.bool))
+
+        def hook(grad: Tensor) -> None:
+            g = grad.detach()
+            reduced = g.float().sum(dim=tuple(range(2, g.dim()))) if g.dim() > 2 else g.float()
+            self._flags[index] = ~torch.isfinite(reduced)
+
+        tensor.register_hook(hook)
+        return tensor
+
+    def positions(self) -> list[NonFinitePosition]:
+        out: list[NonFinitePosition] = []
+        for mb, flag in enumerate(self._flags):
+            if flag.numel() == 0:
+                continue
+            for idx in flag.nonzero().tolist():
+                out.append(NonFinitePosition(mb, idx[0], idx[1] if len(idx) > 1 else None))
+                if len(out) >= self.max_positions:
+                    return out
+        return out
+
+    def count(self) -> int:
+        return sum(int(f.sum()) for f in self._flags if f.numel())
+
+    def reset(self) -> None:
+        self._flags.clear()
+
+
+@dataclass
+class GradReport:
+    """What the check found for one step."""
+
+    norm: float
+    finite: bool
+    nonfinite_params: list[str] = field(default_factory=list)
+    positions: list[NonFinitePosition] = field(default_factory=list)
+    nonfinite_positions: int = 0  # total count; `positions` holds at most the probe's max_positions
+
+    def metrics(self) -> dict[str, float]:
+        from collectors import keys
+
+        return {
+            keys.GRAD_NORM: self.norm,
+            keys.GRAD_FINITE: 1.0 if self.finite else 0.0,
+            keys.GRAD_NONFINITE_PARAMS: float(len(self.nonfinite_params)),
+        }
+
+
+def check_gradients(params, probe: LogitsProbe | None = None) -> GradReport:
+    """Check gradients on their own (one host synchronisation when finite). `Monitor.step` does this
+    together with the step's metrics in a single transfer."""
+    named = named_grads(params)
+    host = grad_norm_stats([g for _, g in named]).tolist()
+    return build_report(named, host, probe)
+
+
+def build_report(named: list[tuple[str, Tensor]], host_norms: list[float], probe: LogitsProbe | None) -> GradReport:
+    """A `GradReport` from the host copy of `grad_norm_stats`; pays for detail only when non-finite."""
+    total, per = host_norms[0], host_norms[1:]
+    if all(_isfinite(v) for v in per):
+        return GradReport(norm=total, finite=True)  # a non-finite total here is float32 overflow
+    names = nonfinite_names(named, per)
+    if not names:
+        return GradReport(norm=total, finite=True)  # per-tensor overflow, every element finite
+    positions = probe.positions() if probe is not None else []
+    count = probe.count() if probe is not None else 0
+    return GradReport(norm=total, finite=False, nonfinite_params=names, positions=positions,
+                      nonfinite_positions=count)

@@ -1,0 +1,111 @@
+"""The writer's append-only local journal: every batch is written here before it is sent.
+
+One JSON object per line:
+- `{"rldiag_journal": 1, "run_id": ..., "tracking_uri": ...}`: the header, first line;
+- `{"seq": N, "m": [[key, value, timestamp_ms, step], ...], "t": {tag: value}}`: a batch;
+- `{"ack": [N, ...]}`: batches that reached the store.
+
+A batch without an ack is replayed: automatically when a writer starts again for the same run, or by
+`rldiag sync FILE`. Replays keep each point's original timestamp, and MLflow's SQL stores ignore an
+identical (key, value, step, timestamp) point, so delivering a batch twice stores it once. Lines that
+do not parse (a process killed mid-write, a damaged file) are skipped and counted. NaN and inf are
+written as JSON's `NaN` / `Infinity` tokens, which Python's json reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Point = tuple[str, float, int, int]  # key, value, timestamp_ms, step
+
+JOURNAL_VERSION = 1
+
+
+@dataclass
+class Batch:
+    seq: int
+    metrics: list[Point]
+    tags: dict[str, str] = field(default_factory=dict)
+    replayed: bool = False  # read back from an earlier journal
+
+    @property
+    def size(self) -> int:
+        return len(self.metrics) + len(self.tags)
+
+
+@dataclass
+class JournalContents:
+    run_id: str | None
+    tracking_uri: str | None
+    pending: list[Batch]
+    corrupt_lines: int
+    max_seq: int
+
+
+def journal_path(spill_dir: str | os.PathLike, run_id: str) -> Path:
+    return Path(spill_dir) / f"{run_id}.jsonl"
+
+
+def read_journal(path: str | os.PathLike) -> JournalContents:
+    """Parse a journal; unacknowledged batches come back in order, damaged lines are counted."""
+    run_id = uri = None
+    batches: dict[int, Batch] = {}
+    acked: set[int] = set()
+    corrupt = 0
+    max_seq = -1
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                obj = json.loads(raw)
+                if "rldiag_journal" in obj:
+                    run_id, uri = obj.get("run_id"), obj.get("tracking_uri")
+                elif "ack" in obj:
+                    acked.update(int(s) for s in obj["ack"])
+                else:
+                    seq = int(obj["seq"])
+                    points = [(str(k), float(v), int(ts), int(st)) for k, v, ts, st in obj.get("m", [])]
+                    tags = {str(k): str(v) for k, v in obj.get("t", {}).items()}
+                    batches[seq] = Batch(seq, points, tags)
+                    max_seq = max(max_seq, seq)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                corrupt += 1
+    pending = [b for s, b in sorted(batches.items()) if s not in acked]
+    return JournalContents(run_id, uri, pending, corrupt, max_seq)
+
+
+class Journal:
+    """Appends batches and acks for one run; safe to call from several threads."""
+
+    def __init__(self, path: Path, run_id: str, tracking_uri: str):
+        self.path = path
+        self._lock = threading.Lock()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not path.exists() or path.stat().st_size == 0
+        self._f = open(path, "a", encoding="utf-8")
+        if fresh:
+            self._write({"rldiag_journal": JOURNAL_VERSION, "run_id": run_id, "tracking_uri": tracking_uri})
+
+    def _write(self, obj: dict) -> None:
+        line = json.dumps(obj, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._f.write(line)
+            self._f.flush()  # into the OS: survives a SIGKILL of this process
+
+    def append(self, batch: Batch) -> None:
+        obj: dict = {"seq": batch.seq, "m": batch.metrics}
+        if batch.tags:
+            obj["t"] = batch.tags
+        self._write(obj)
+
+    def ack(self, seqs: list[int]) -> None:
+        self._write({"ack": seqs})
+
+    def close(self, *, delete: bool) -> None:
+        with self._lock:
+            self._f.close()
+        if delete:
+            self.path.unlink(missing_ok=True)

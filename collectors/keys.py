@@ -1,0 +1,104 @@
+"""Canonical metric keys, run-metadata names and the alias table: defined once, used by both sides.
+
+The definitions are in DESIGN.md ("Canonical metrics"). `app/` imports these constants; nothing
+else spells a key as a string literal.
+"""
+
+from __future__ import annotations
+
+# --- policy (trainer vs rollout policy) -------------------------------------------------------
+CLIP_RATE = "policy/clip_rate"
+CLIP_RATE_SEQ = "policy/clip_rate_seq"
+RATIO_MEAN = "policy/ratio_mean"
+RATIO_MAX = "policy/ratio_max"
+KL_NEW_OLD = "policy/kl_new_old"
+KL_NEW_OLD_K1 = "policy/kl_new_old_k1"
+ENTROPY = "policy/entropy"
+
+# --- reward ------------------------------------------------------------------------------------
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+
+# --- train-inference mismatch (same weights, trainer vs engine) --------------------------------
+MISMATCH_LOGPROB_MEAN = "mismatch/logprob_abs_diff_mean"
+MISMATCH_LOGPROB_MAX = "mismatch/logprob_abs_diff_max"
+MISMATCH_PROB_MAX = "mismatch/prob_abs_diff_max"
+
+# --- gradients -----------------------------------------------------------------------------------
+GRAD_NORM = "grad/norm"
+GRAD_FINITE = "grad/finite"
+GRAD_NONFINITE_PARAMS = "grad/nonfinite_params"
+
+LOSS = "loss"
+
+CANONICAL_METRICS: tuple[str, ...] = (
+    CLIP_RATE,
+    CLIP_RATE_SEQ,
+    RATIO_MEAN,
+    RATIO_MAX,
+    KL_NEW_OLD,
+    KL_NEW_OLD_K1,
+    ENTROPY,
+    REWARD_MEAN,
+    REWARD_STD,
+    MISMATCH_LOGPROB_MEAN,
+    MISMATCH_LOGPROB_MAX,
+    MISMATCH_PROB_MAX,
+    GRAD_NORM,
+    GRAD_FINITE,
+    GRAD_NONFINITE_PARAMS,
+    LOSS,
+)
+
+# Foreign metric names (what other trainers log) -> canonical key. The read side maps these so that
+# a run logged by TRL/transformers, PipelineRL or verl shows up on the same panels.
+ALIASES: dict[str, str] = {
+    # transformers / TRL
+    "grad_norm": GRAD_NORM,
+    "kl": KL_NEW_OLD,
+    "entropy": ENTROPY,
+    "clip_ratio/region_mean": CLIP_RATE,
+    "reward": REWARD_MEAN,
+    "reward_std": REWARD_STD,
+    "train/grad_norm": GRAD_NORM,
+    "train/loss": LOSS,
+    # PipelineRL
+    "kl_new_old": KL_NEW_OLD,
+    "clamp_log_ratio_new_old_indicator": CLIP_RATE,
+    # verl
+    "actor/pg_clipfrac": CLIP_RATE,
+    "actor/entropy": ENTROPY,
+    "actor/grad_norm": GRAD_NORM,
+    "training/rollout_probs_diff_max": MISMATCH_PROB_MAX,
+}
+
+
+def canonical_key(name: str) -> str:
+    """The canonical key for `name`: itself if canonical, its alias target if known, else unchanged."""
+    return ALIASES.get(name, name)
+
+
+# --- non-finite values in the store ---------------------------------------------------------------
+# MLflow's SQL stores keep NaN but clamp +-inf to +-max-float with no flag. Whenever rldiag writes an
+# infinite value it also writes `INF_FLAG_PREFIX + key` = +1.0 (for +inf) or -1.0 (for -inf) at the
+# same step, so the read side can tell a real inf from a huge finite number.
+INF_FLAG_PREFIX = "rldiag/inf/"
+
+
+def inf_flag_key(key: str) -> str:
+    """The companion key that marks `key`'s infinite values (see INF_FLAG_PREFIX)."""
+    return INF_FLAG_PREFIX + key
+
+
+# --- run metadata ---------------------------------------------------------------------------------
+TAG_GROUP = "rldiag.group"
+TAG_VARIANT = "rldiag.variant"
+TAG_ROLE = "rldiag.role"
+TAG_SEED = "rldiag.seed"
+ROLES = ("reference", "candidate")
+
+# Written by the alert sink on the run that went non-finite.
+TAG_ALERT_COUNT = "rldiag.alert.count"
+TAG_ALERT_FIRST_STEP = "rldiag.alert.first_step"
+TAG_ALERT_LAST = "rldiag.alert.last"
+ALERTS_ARTIFACT = "rldiag/alerts.jsonl"

@@ -1,0 +1,232 @@
+"""Per-step RL diagnostics as pure torch functions (no I/O, no host synchronisation).
+
+Shapes: token tensors are `[B, T]` (batch, completion position); logits are `[B, T, V]`; `mask` is
+`[B, T]` (bool or 0/1) marking valid completion tokens, `None` meaning every position is valid.
+Every function returns detached 0-d tensors on the input's device; `to_host` moves a whole step's
+values to the host in one transfer.
+
+Masked positions are replaced (`torch.where`) before any arithmetic, never multiplied by zero, so a
+`-inf` sentinel at padding cannot turn into NaN (`-inf * 0` and `-inf - -inf` are NaN). Masked means
+divide by `mask.sum().clamp(min=1)`: an empty batch gives 0 (1.0 for the ratio statistics).
+Definitions: DESIGN.md, "Canonical metrics".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from collectors import keys
+
+Tensor = torch.Tensor
+
+
+def _valid(mask: Tensor | None, like: Tensor) -> Tensor:
+    if mask is None:
+        return torch.ones_like(like, dtype=torch.bool)
+    if mask.shape != like.shape:
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} but the values have shape {tuple(like.shape)}; "
+            "pass a [B, T] mask of valid completion tokens matching the logprobs"
+        )
+    return mask.bool()
+
+
+def masked_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Mean of `x` over valid positions; 0 when none is valid. Masked values may be inf or NaN."""
+    m = _valid(mask, x)
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+    return (total / m.sum().clamp(min=1)).detach()
+
+
+def masked_max(x: Tensor, mask: Tensor | None = None, *, empty: float = 0.0) -> Tensor:
+    """Max of `x` over valid positions; `empty` when none is valid."""
+    m = _valid(mask, x)
+    lowest = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    best = torch.where(m, x, lowest).amax() if x.numel() else lowest
+    return torch.where(m.any(), best, torch.tensor(empty, dtype=x.dtype, device=x.device)).detach()
+
+
+def _log_ratio(lp_new: Tensor, lp_old: Tensor, m: Tensor) -> Tensor:
+    # Zero at masked positions: exp(0) = 1 there, and no -inf sentinel reaches the subtraction.
+    zero = torch.zeros((), dtype=torch.float32, device=lp_new.device)
+    return torch.where(m, lp_new.float() - lp_old.float(), zero)
+
+
+@torch.no_grad()
+def clip_rate(
+    lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None, *, eps_low: float = 0.2, eps_high: float = 0.2
+) -> Tensor:
+    """Fraction of valid tokens whose ratio `r = exp(lp_new - lp_old)` lies outside `[1-eps_low, 1+eps_high]`.
+
+    PipelineRL's `clamp_log_ratio_new_old_indicator`, TRL's `clip_ratio/region_mean`.
+    """
+    m = _valid(mask, lp_new)
+    r = _log_ratio(lp_new, lp_old, m).exp()
+    outside = (r < 1.0 - eps_low) | (r > 1.0 + eps_high)
+    return masked_mean(outside.float(), m)
+
+
+@torch.no_grad()
+def sequence_ratio(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> Tensor:
+    """GSPO's per-sequence ratio `s_i = exp(mean_t(lp_new - lp_old))` over each row's valid tokens, `[B]`.
+
+    A row without valid tokens gets 1.0.
+    """
+    m = _valid(mask, lp_new)
+    lr = _log_ratio(lp_new, lp_old, m)
+    return (lr.sum(-1) / m.sum(-1).clamp(min=1)).exp()
+
+
+@torch.no_grad()
+def sequence_clip_rate(
+    lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None, *, eps_low: float = 0.2, eps_high: float = 0.2
+) -> Tensor:
+    """Fraction of sequences (with at least one valid token) whose GSPO sequence ratio is outside the band."""
+    m = _valid(mask, lp_new)
+    s = sequence_ratio(lp_new, lp_old, m)
+    outside = (s < 1.0 - eps_low) | (s > 1.0 + eps_high)
+    return masked_mean(outside.float(), m.any(-1))
+
+
+class RatioStats(NamedTuple):
+    mean: Tensor
+    max: Tensor
+
+
+@torch.no_grad()
+def ratio_stats(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> RatioStats:
+    """Masked mean and max of the token ratio `r`; both 1.0 for an empty batch (no evidence of drift)."""
+    m = _valid(mask, lp_new)
+    r = _log_ratio(lp_new, lp_old, m).exp()
+    return RatioStats(1.0 + masked_mean(r - 1.0, m), masked_max(r, m, empty=1.0))
+
+
+class KLStats(NamedTuple):
+    k3: Tensor
+    k1: Tensor
+
+
+@torch.no_grad()
+def kl_new_old(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> KLStats:
+    """KL between rollout and current policy from sampled tokens (Schulman's estimators).
+
+    k3 = masked mean of `(r - 1) - log r` (non-negative, low variance); k1 = masked mean of
+    `lp_old - lp_new`.
+    """
+    m = _valid(mask, lp_new)
+    lr = _log_ratio(lp_new, lp_old, m)
+    return KLStats(masked_mean(lr.exp() - 1.0 - lr, m), masked_mean(-lr, m))
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Masked mean token entropy `H = -sum_v p_v log p_v` of `softmax(logits)`, computed in float32.
+
+    Logits of `-inf` (masked vocabulary) contribute 0; positions that are all `-inf` must be masked.
+    """
+    if logits.dim() < 1:
+        raise ValueError(f"logits must be [..., V]; got a 0-d tensor")
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    plogp = torch.where(p > 0, p * logp, torch.zeros((), device=logits.device))
+    h = -plogp.sum(-1)
+    return masked_mean(h, None if mask is None else _valid(mask, h))
+
+
+class RewardStats(NamedTuple):
+    mean: Tensor
+    std: Tensor
+
+
+@torch.no_grad()
+def reward_stats(rewards: Tensor) -> RewardStats:
+    """Mean and sample standard deviation (n-1) of the batch's completion rewards; std 0 for one reward.
+
+    Non-finite rewards propagate on purpose: a NaN reward is a bug to see.
+    """
+    r = rewards.detach().float().reshape(-1)
+    n = torch.tensor(r.numel(), device=r.device)
+    mean = r.sum() / n.clamp(min=1)
+    var = ((r - mean) ** 2).sum() / (n - 1).clamp(min=1)
+    return RewardStats(mean, var.sqrt())
+
+
+class MismatchStats(NamedTuple):
+    logprob_abs_diff_mean: Tensor
+    logprob_abs_diff_max: Tensor
+    prob_abs_diff_max: Tensor
+
+
+@torch.no_grad()
+def logprob_mismatch(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None = None) -> MismatchStats:
+    """Train-inference mismatch at the same weights: `|lp_trainer - lp_engine|` mean and max (log space)
+    and max of `|exp(lp_trainer) - exp(lp_engine)|` (probability space; verl's `rollout_probs_diff_max`).
+    """
+    m = _valid(mask, lp_trainer)
+    zero = torch.zeros((), dtype=torch.float32, device=lp_trainer.device)
+    a = torch.where(m, lp_trainer.float(), zero)
+    b = torch.where(m, lp_engine.float(), zero)
+    d = (a - b).abs()
+    dp = (a.exp() - b.exp()).abs()
+    return MismatchStats(masked_mean(d, m), masked_max(d, m), masked_max(dp, m))
+
+
+@torch.no_grad()
+def policy_metrics(
+    lp_new: Tensor,
+    lp_old: Tensor,
+    mask: Tensor | None = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    logits: Tensor | None = None,
+    rewards: Tensor | None = None,
+    lp_trainer_at_rollout: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Every canonical policy metric that the given tensors allow, as `{key: 0-d tensor}`.
+
+    `lp_trainer_at_rollout`: the trainer's logprobs at the rollout weights (before any update) for the
+    mismatch metrics against `lp_old` (the engine's). On the first minibatch of an on-policy step that
+    is `lp_new` itself.
+    """
+    m = _valid(mask, lp_new)
+    out: dict[str, Tensor] = {
+        keys.CLIP_RATE: clip_rate(lp_new, lp_old, m, eps_low=eps_low, eps_high=eps_high),
+        keys.CLIP_RATE_SEQ: sequence_clip_rate(lp_new, lp_old, m, eps_low=eps_low, eps_high=eps_high),
+    }
+    rs = ratio_stats(lp_new, lp_old, m)
+    out[keys.RATIO_MEAN], out[keys.RATIO_MAX] = rs.mean, rs.max
+    kl = kl_new_old(lp_new, lp_old, m)
+    out[keys.KL_NEW_OLD], out[keys.KL_NEW_OLD_K1] = kl.k3, kl.k1
+    if logits is not None:
+        out[keys.ENTROPY] = entropy_from_logits(logits, m)
+    if rewards is not None:
+        rw = reward_stats(rewards)
+        out[keys.REWARD_MEAN], out[keys.REWARD_STD] = rw.mean, rw.std
+    if lp_trainer_at_rollout is not None:
+        mm = logprob_mismatch(lp_trainer_at_rollout, lp_old, m)
+        out[keys.MISMATCH_LOGPROB_MEAN] = mm.logprob_abs_diff_mean
+        out[keys.MISMATCH_LOGPROB_MAX] = mm.logprob_abs_diff_max
+        out[keys.MISMATCH_PROB_MAX] = mm.prob_abs_diff_max
+    return out
+
+
+def to_host(values: Mapping[str, Tensor | float | int]) -> dict[str, float]:
+    """Python floats for a step's values, with every tensor crossing to the host in one transfer."""
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    if tensors:
+        for k, v in tensors.items():
+            if v.numel() != 1:
+                raise ValueError(
+                    f"metric {k!r} is a tensor of shape {tuple(v.shape)}; log a scalar (0-d or one element), "
+                    "e.g. reduce it with .mean() first"
+                )
+        first = next(iter(tensors.values()))
+        dtype = torch.float32 if first.device.type == "mps" else torch.float64
+        stacked = torch.stack([v.detach().reshape(()).to(first.device, dtype) for v in tensors.values()])
+        out.update(zip(tensors.keys(), stacked.tolist()))
+    return {k: out[k] for k in values}

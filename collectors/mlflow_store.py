@@ -1,0 +1,138 @@
+"""The MLflow side of the write path: opening runs and the writer's send function.
+
+mlflow is imported here, lazily, never by `import collectors`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from collectors.journal import Point
+
+log = logging.getLogger("rldiag.mlflow")
+
+MAX_PARAM_CHARS = 6000  # MLflow truncates longer param values with only a warning
+MAX_PARAMS_PER_CALL = 100
+
+
+class TrackingStoreError(RuntimeError):
+    """The tracking store cannot be reached or refused the request; the message says what to fix."""
+
+
+def _mlflow():
+    try:
+        import mlflow  # noqa: F401
+        from mlflow.tracking import MlflowClient
+    except ImportError as e:  # pragma: no cover - mlflow is a core dependency
+        raise ImportError("rldiag needs mlflow: pip install 'mlflow>=3.17,<3.18'") from e
+    return MlflowClient
+
+
+def client_for(tracking_uri: str):
+    return _mlflow()(tracking_uri)
+
+
+def make_sender(tracking_uri: str, *, request_timeout_s: float = 10.0):
+    """`send(run_id, metrics, tags)` for the writer: one `log_batch` call, no internal retries.
+
+    Over REST it posts to `runs/log-batch` itself with `max_retries=0`, so a down server fails fast
+    and the writer's own back-off (which never blocks training) decides when to try again; MLflow's
+    client would otherwise retry inside the call for minutes.
+    """
+    from mlflow.entities import Metric, RunTag
+    from mlflow.store.tracking.rest_store import RestStore
+
+    client = client_for(tracking_uri)
+    store = client._tracking_client.store
+
+    def entities(metrics: list[Point], tags: Mapping[str, str]):
+        return [Metric(k, v, ts, st) for k, v, ts, st in metrics], [RunTag(k, v) for k, v in tags.items()]
+
+    if isinstance(store, RestStore):
+        from mlflow.protos.service_pb2 import LogBatch
+        from mlflow.utils.proto_json_utils import message_to_json
+        from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+        endpoint = "/api/2.0/mlflow/runs/log-batch"
+
+        def send(run_id: str, metrics: list[Point], tags: dict[str, str]) -> None:
+            ms, ts = entities(metrics, tags)
+            body = message_to_json(
+                LogBatch(run_id=run_id, metrics=[m.to_proto() for m in ms], tags=[t.to_proto() for t in ts])
+            )
+            resp = http_request(
+                store.get_host_creds(), endpoint, "POST", max_retries=0, timeout=request_timeout_s,
+                json=json.loads(body),
+            )
+            verify_rest_response(resp, endpoint)
+
+        return send
+
+    def send(run_id: str, metrics: list[Point], tags: dict[str, str]) -> None:
+        ms, ts = entities(metrics, tags)
+        store.log_batch(run_id, metrics=ms, params=[], tags=ts)
+
+    return send
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested dicts become dotted keys; values become strings, cut to MLflow's limit with a warning."""
+    out: dict[str, str] = {}
+    for k, v in params.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten_params(v, key + "."))
+            continue
+        s = str(v)
+        if len(s) > MAX_PARAM_CHARS:
+            log.warning("rldiag: param %r is %d characters; MLflow keeps %d, logging it truncated",
+                        key, len(s), MAX_PARAM_CHARS)
+            s = s[:MAX_PARAM_CHARS]
+        out[key] = s
+    return out
+
+
+def open_run(
+    tracking_uri: str,
+    *,
+    experiment: str,
+    run_name: str | None = None,
+    run_id: str | None = None,
+    tags: Mapping[str, str] | None = None,
+    params: Mapping[str, Any] | None = None,
+):
+    """Create (or, with `run_id`, resume) a run; returns `(client, run)`. Errors name the store and the fix."""
+    from mlflow.entities import Param, RunTag
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client = client_for(tracking_uri)
+        if run_id is not None:
+            run = client.get_run(run_id)
+            client.update_run(run_id, status="RUNNING")
+        else:
+            exp = client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+            all_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+            run = client.create_run(exp_id, run_name=run_name, tags=all_tags)
+        flat = flatten_params(params or {})
+        items = [Param(k, v) for k, v in flat.items()]
+        for i in range(0, len(items), MAX_PARAMS_PER_CALL):
+            client.log_batch(run.info.run_id, params=items[i : i + MAX_PARAMS_PER_CALL])
+        if run_id is not None and tags:
+            client.log_batch(run_id, tags=[RunTag(str(k), str(v)) for k, v in tags.items()])
+    except MlflowException as e:
+        raise TrackingStoreError(
+            f"MLflow at {tracking_uri!r} refused to open the run: {e.message.splitlines()[0] if e.message else e}. "
+            "Check MLFLOW_TRACKING_URI (or tracking_uri=), the run id, and that params are not re-logged "
+            "with other values."
+        ) from None
+    except Exception as e:  # noqa: BLE001 - connection errors come in many types
+        raise TrackingStoreError(
+            f"cannot reach the MLflow tracking store at {tracking_uri!r}: {type(e).__name__}: {e}. "
+            "Start the server or fix MLFLOW_TRACKING_URI; unset it to use the local sqlite:///mlruns.db."
+        ) from None
+    return client, run

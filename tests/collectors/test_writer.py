@@ -1,0 +1,207 @@
+"""The background writer against real MLflow stores: SQLite file and a real `mlflow server`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from collectors import keys
+from collectors.journal import journal_path, read_journal
+from collectors.mlflow_store import make_sender, open_run
+from collectors.writer import MetricWriter, clean_key
+
+MAX_FLOAT = 1.7976931348623157e308
+
+
+def new_run(uri: str, name: str = "w") -> str:
+    _, run = open_run(uri, experiment="writer-tests", run_name=name)
+    return run.info.run_id
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def test_every_point_once_nan_and_inf_survive_sqlite(sqlite_uri, tmp_path):
+    run_id = new_run(sqlite_uri)
+    w = MetricWriter(run_id, make_sender(sqlite_uri), tracking_uri=sqlite_uri, spill_dir=tmp_path / "spill")
+    for step in range(2500):
+        w.log_metrics({"a": step * 0.5, "b/c": -step, "d": 1.0}, step)
+    w.log_metrics({"grad/norm": float("nan"), "x": float("inf"), "y": float("-inf")}, 2500)
+    stats = w.close(timeout=120)
+
+    assert stats.undelivered == 0 and stats.rejected == 0
+    a = history(sqlite_uri, run_id, "a")
+    assert a == [(s, s * 0.5) for s in range(2500)]  # every step exactly once, in order, exact values
+    assert len(history(sqlite_uri, run_id, "b/c")) == 2500
+    (nan_step, nan_val), = history(sqlite_uri, run_id, "grad/norm")
+    assert nan_step == 2500 and math.isnan(nan_val)
+    # The SQL store clamps inf to max-float; the flag tells them apart.
+    assert history(sqlite_uri, run_id, "x") == [(2500, MAX_FLOAT)]
+    assert history(sqlite_uri, run_id, keys.inf_flag_key("x")) == [(2500, 1.0)]
+    assert history(sqlite_uri, run_id, keys.inf_flag_key("y")) == [(2500, -1.0)]
+    assert not journal_path(tmp_path / "spill", run_id).exists()  # fully delivered: journal removed
+
+
+def test_bad_values_and_keys_are_reported_not_fatal(sqlite_uri, tmp_path, caplog):
+    import torch
+
+    run_id = new_run(sqlite_uri)
+    w = MetricWriter(run_id, make_sender(sqlite_uri), spill_dir=tmp_path / "spill")
+    with caplog.at_level(logging.WARNING, logger="rldiag.writer"):
+        w.log_metrics({"ok": 1.0, "none": None, "text": "high", "t": torch.tensor(2.5), "bad key!": 3.0}, 0)
+        stats = w.close(timeout=60)
+    assert stats.rejected == 2 and stats.undelivered == 0
+    assert history(sqlite_uri, run_id, "ok") == [(0, 1.0)]
+    assert history(sqlite_uri, run_id, "t") == [(0, 2.5)]
+    assert history(sqlite_uri, run_id, "bad key_") == [(0, 3.0)]
+    assert "'none'" in caplog.text and "not a number" in caplog.text
+    assert "'bad key!'" in caplog.text and "'bad key_'" in caplog.text
+
+
+@pytest.mark.parametrize("key,expected", [("a//b", "a/b"), ("/a", "a"), ("a/", "a"), ("é ok", "é ok"),
+                                          ("x<y>", "x_y_"), ("k" * 300, "k" * 250)])
+def test_clean_key(key, expected):
+    assert clean_key(key) == expected
+
+
+def test_unreachable_store_close_is_bounded_and_sync_replays(sqlite_uri, tmp_path, caplog):
+    """A store that refuses everything: close() returns within its bound, counts what is left, keeps
+    the journal; `rldiag sync` later delivers it exactly once."""
+    run_id = new_run(sqlite_uri)
+    good = make_sender(sqlite_uri)
+
+    def down(run_id, metrics, tags):
+        raise ConnectionError("store down")
+
+    w = MetricWriter(run_id, down, tracking_uri=sqlite_uri, spill_dir=tmp_path / "spill", backoff_s=(0.01, 0.05))
+    for step in range(300):
+        w.log_metrics({"m": float(step)}, step)
+    with caplog.at_level(logging.ERROR, logger="rldiag.writer"):
+        stats = w.close(timeout=2)
+    assert stats.delivered == 0 and stats.undelivered == 300 and stats.send_failures > 0
+    path = journal_path(tmp_path / "spill", run_id)
+    assert path.exists()
+    assert f"rldiag sync {path}" in caplog.text and "300 metric points" in caplog.text
+    assert history(sqlite_uri, run_id, "m") == []
+
+    from app.cli import main
+
+    with path.open("a") as f:  # damage: a torn line, as from a process killed mid-write
+        f.write('{"seq": 99, "m": [["m", 1.0, 17')
+    assert main(["sync", str(path)]) == 0
+    assert history(sqlite_uri, run_id, "m") == [(s, float(s)) for s in range(300)]
+    assert not path.exists()
+    del good
+
+
+def test_restart_of_same_run_replays_journal_of_killed_process(sqlite_uri, tmp_path):
+    """The training process is SIGKILLed while the store is slow: what it enqueued more than ~100 ms
+    before the kill is in the journal and delivered when a writer starts again for the run."""
+    run_id = new_run(sqlite_uri)
+    spill = tmp_path / "spill"
+    child = textwrap.dedent(f"""
+        import os, signal, time
+        from collectors.writer import MetricWriter
+        def slow(run_id, metrics, tags):
+            time.sleep(60)  # the store never answers before the kill
+        w = MetricWriter({run_id!r}, slow, spill_dir={str(spill)!r})
+        for step in range(400):
+            w.log_metrics({{"m": float(step), "n": 2.0 * step}}, step)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], cwd=Path(__file__).parents[2], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    contents = read_journal(journal_path(spill, run_id))
+    assert sum(len(b.metrics) for b in contents.pending) == 800 and contents.corrupt_lines == 0
+
+    w = MetricWriter(run_id, make_sender(sqlite_uri), spill_dir=spill)  # "next start of the same run"
+    w.log_metrics({"m": 400.0, "n": 800.0}, 400)
+    stats = w.close(timeout=60)
+    assert stats.replayed == 800 and stats.undelivered == 0
+    assert history(sqlite_uri, run_id, "m") == [(s, float(s)) for s in range(401)]
+    assert history(sqlite_uri, run_id, "n") == [(s, 2.0 * s) for s in range(401)]
+
+
+def test_flush_waits_for_delivery(sqlite_uri, tmp_path):
+    run_id = new_run(sqlite_uri)
+    w = MetricWriter(run_id, make_sender(sqlite_uri), spill_dir=tmp_path / "spill")
+    w.log_metrics({"f": 1.0}, 0)
+    assert w.flush(timeout=60)
+    assert history(sqlite_uri, run_id, "f") == [(0, 1.0)]  # visible before close
+    w.close()
+
+
+@pytest.mark.server
+def test_server_killed_and_restarted_nothing_lost_or_duplicated(mlflow_server, tmp_path):
+    """Through a real `mlflow server`: killed mid-run, restarted on the same port and database. The
+    loop keeps logging during the outage (it never waits on the store) and every point arrives once."""
+    uri = mlflow_server.uri
+    run_id = new_run(uri)
+    w = MetricWriter(run_id, make_sender(uri, request_timeout_s=5), tracking_uri=uri, spill_dir=tmp_path / "spill",
+                     backoff_s=(0.1, 1.0))
+    steps = 0
+
+    def train(n):
+        nonlocal steps
+        for _ in range(n):
+            w.log_metrics({"loss": 1.0 / (steps + 1), "grad/norm": float(steps % 7), "nan": float("nan")}, steps)
+            steps += 1
+            time.sleep(0.002)
+
+    train(200)
+    assert w.flush(timeout=60)
+    mlflow_server.kill()
+    delivered_before = w.stats.delivered
+    train(300)  # all 300 steps are taken while the server is down
+    assert steps == 500
+    time.sleep(1.0)
+    assert w.stats.delivered == delivered_before and w.stats.send_failures > 0
+    mlflow_server.start()
+    train(100)
+    stats = w.close(timeout=120)
+    assert stats.undelivered == 0
+    got = history(uri, run_id, "loss")
+    assert [s for s, _ in got] == list(range(600))  # nothing lost, nothing duplicated
+    assert all(v == 1.0 / (s + 1) for s, v in got)
+    nan = history(uri, run_id, "nan")
+    assert len(nan) == 600 and all(math.isnan(v) for _, v in nan)  # NaN survives the REST path
+
+
+@pytest.mark.server
+def test_frozen_server_does_not_block_training(mlflow_server, tmp_path):
+    """SIGSTOP: the server accepts connections and never answers. The loop still finishes its steps;
+    after SIGCONT everything is delivered once."""
+    uri = mlflow_server.uri
+    run_id = new_run(uri)
+    w = MetricWriter(run_id, make_sender(uri, request_timeout_s=2), tracking_uri=uri, spill_dir=tmp_path / "spill",
+                     backoff_s=(0.1, 0.5))
+    mlflow_server.signal(signal.SIGSTOP)
+    try:
+        done = threading.Event()
+
+        def train():
+            for step in range(300):
+                w.log_metrics({"r": float(step)}, step)
+            done.set()
+
+        t = threading.Thread(target=train)
+        t.start()
+        assert done.wait(30), "the training thread blocked on a frozen server"
+        assert w.stats.delivered == 0
+    finally:
+        mlflow_server.signal(signal.SIGCONT)
+    stats = w.close(timeout=120)
+    assert stats.undelivered == 0
+    assert history(uri, run_id, "r") == [(s, float(s)) for s in range(300)]
