@@ -95,6 +95,26 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
     return out
 
 
+def _probe_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
+    """Fail in seconds, not minutes, on an http(s) store that does not answer (MLflow's client would
+    retry for about four minutes)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answers: a proxy or a server without /health; let MLflow's own calls decide
+    except OSError as e:
+        raise TrackingStoreError(
+            f"cannot reach the MLflow tracking server at {tracking_uri!r} ({getattr(e, 'reason', e)}). "
+            "Start it (mlflow server --host 127.0.0.1 --port 5000) or fix MLFLOW_TRACKING_URI; "
+            "unset it to use the local sqlite:///mlruns.db."
+        ) from None
+
+
 def open_run(
     tracking_uri: str,
     *,
@@ -108,6 +128,7 @@ def open_run(
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
 
+    _probe_server(tracking_uri)
     try:
         client = client_for(tracking_uri)
         if run_id is not None:

@@ -1,0 +1,59 @@
+"""The `rldiag` command as a user runs it: the installed console script, in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from tests.conftest import free_port
+
+RLDIAG = str(Path(sys.executable).parent / "rldiag")
+
+
+def rldiag(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run([RLDIAG, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_commands(tmp_path):
+    out = rldiag("--help", cwd=tmp_path)
+    assert out.returncode == 0
+    for word in ("demo", "sync", "MLFLOW_TRACKING_URI", "mlruns.db"):
+        assert word in out.stdout
+    demo = rldiag("demo", "--help", cwd=tmp_path)
+    assert demo.returncode == 0 and "--nan-at" in demo.stdout and "--policy" in demo.stdout
+
+
+def test_demo_writes_default_sqlite_store_and_reports_nan(tmp_path):
+    out = rldiag("demo", "--steps", "4", "--nan-at", "3", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "mlruns.db").exists()  # the embedded default, in the working directory
+    assert "first non-finite step: 3" in out.stdout
+    assert "non-finite gradients" in out.stderr and "at step 3" in out.stderr  # the alert, in the log
+    run_id = out.stdout.split()[1]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    finite = {m.step: m.value for m in client.get_metric_history(run_id, "grad/finite")}
+    assert finite == {s: (0.0 if s == 3 else 1.0) for s in range(8)}  # 4 rollouts x 2 optimizer steps
+    run = client.get_run(run_id)
+    assert run.data.params["loop.nan_at"] == "3" and run.data.tags["rldiag.alert.first_step"] == "3"
+
+
+def test_unreachable_server_is_one_clear_line(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"
+    out = rldiag("demo", "--steps", "1", "--tracking-uri", uri, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert uri in out.stderr and "MLFLOW_TRACKING_URI" in out.stderr
+
+
+def test_sync_missing_and_foreign_files(tmp_path):
+    out = rldiag("sync", str(tmp_path / "nope.jsonl"), cwd=tmp_path)
+    assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr
+    foreign = tmp_path / "x.jsonl"
+    foreign.write_text('{"hello": 1}\n')
+    out = rldiag("sync", str(foreign), cwd=tmp_path)
+    assert out.returncode == 2 and "no rldiag journal header" in out.stderr
