@@ -15,108 +15,42 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from collectors import keys
-from collectors.alerts import AlertDispatcher, JsonlSink, LoggingSink, MlflowTagSink, NonFiniteGradAlert, Sink, WebhookSink
 from collectors.gradcheck import GradReport, LogitsProbe, build_report, grad_norm_stats, named_grads
-from collectors.settings import (
-    RLDIAG_ALERTS_JSONL,
-    RLDIAG_CLOSE_TIMEOUT,
-    RLDIAG_SPILL_DIR,
-    RLDIAG_WEBHOOK_URL,
-    default_tracking_uri,
-)
-from collectors.writer import MetricWriter, WriterStats
+from collectors.session import NonFiniteGradientError, RunSession
+from collectors.writer import WriterStats
 
 log = logging.getLogger("rldiag")
 
-Policy = Literal["warn", "skip", "raise"]
-POLICIES = ("warn", "skip", "raise")
-MAX_EVENTS_KEPT = 10_000
-
-
-class NonFiniteGradientError(RuntimeError):
-    """Raised by `Monitor.step` under `policy="raise"`; `.alert` holds the event."""
-
-    def __init__(self, alert: NonFiniteGradAlert):
-        super().__init__(alert.text())
-        self.alert = alert
+__all__ = ["Monitor", "NonFiniteGradientError"]
 
 
 class Monitor:
     """Opens an MLflow run, checks gradients, logs a step's metrics in one host transfer, sends alerts.
 
-    Keyword options:
-      experiment, run_name, tags, params: the run (params may be nested dicts; logged as dotted keys).
-      run_id: resume this run instead of creating one (an earlier journal of it is replayed).
-      tracking_uri: MLflow store; default `MLFLOW_TRACKING_URI`, else `sqlite:///mlruns.db` here.
-      policy: on non-finite gradients `warn` (alert, step anyway), `skip` (alert, zero the grads,
-        `step()` returns False) or `raise` (alert, raise `NonFiniteGradientError`).
-      alerts_jsonl, webhook_url: extra alert sinks (default from RLDIAG_ALERTS_JSONL, RLDIAG_WEBHOOK_URL).
-      sinks: further alert sinks. alert_burst / alert_interval_s: rate limit for log and webhook.
-      spill_dir: the writer's journal folder (default RLDIAG_SPILL_DIR, `.rldiag/spill`).
+    Keyword options are `RunSession`'s (experiment, run_name, run_id, tags, params, tracking_uri,
+    policy, alerts_jsonl, webhook_url, sinks, alert_burst, alert_interval_s, spill_dir,
+    close_timeout_s); see its docstring.
     """
 
-    def __init__(
-        self,
-        experiment: str = "rldiag",
-        *,
-        run_name: str | None = None,
-        run_id: str | None = None,
-        tags: Mapping[str, Any] | None = None,
-        params: Mapping[str, Any] | None = None,
-        tracking_uri: str | None = None,
-        policy: Policy = "warn",
-        alerts_jsonl: str | os.PathLike | None = None,
-        webhook_url: str | None = None,
-        sinks: list[Sink] | None = None,
-        alert_burst: int = 3,
-        alert_interval_s: float = 300.0,
-        spill_dir: str | os.PathLike | None = None,
-        close_timeout_s: float | None = None,
-    ):
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r} is not one of {POLICIES}; e.g. Monitor(policy='skip')")
-        from collectors.mlflow_store import make_sender, open_run
-
-        self.policy = policy
-        self.tracking_uri = tracking_uri or default_tracking_uri()
-        self.client, run = open_run(
-            self.tracking_uri, experiment=experiment, run_name=run_name, run_id=run_id, tags=tags, params=params
-        )
-        self.run_id: str = run.info.run_id
-        self.run_name: str | None = run.info.run_name
-        self.writer = MetricWriter(
-            self.run_id,
-            make_sender(self.tracking_uri),
-            tracking_uri=self.tracking_uri,
-            spill_dir=spill_dir if spill_dir is not None else RLDIAG_SPILL_DIR.get(),
-            close_timeout_s=close_timeout_s if close_timeout_s is not None else RLDIAG_CLOSE_TIMEOUT.get_float(),
-        )
-        all_sinks: list[Sink] = [LoggingSink(), MlflowTagSink(self.writer.set_tags)]
-        jsonl = alerts_jsonl or RLDIAG_ALERTS_JSONL.get()
-        if jsonl:
-            all_sinks.append(JsonlSink(jsonl))
-        url = webhook_url or RLDIAG_WEBHOOK_URL.get()
-        if url:
-            all_sinks.append(WebhookSink(url))
-        all_sinks.extend(sinks or [])
-        self.alerts = AlertDispatcher(all_sinks, burst=alert_burst, interval_s=alert_interval_s)
-        self.events: list[dict] = []
+    def __init__(self, experiment: str = "rldiag", **options: Any):
+        self.session = RunSession(experiment, **options)
+        self.run_id = self.session.run_id
+        self.writer = self.session.writer
         self.probe = LogitsProbe()
         self.last_report: GradReport | None = None
         self._warned_no_grads = False
-        self._closed = False
+
+    @property
+    def events(self) -> list[dict]:
+        return self.session.events
 
     # ---- the loop ------------------------------------------------------------------------------
     def watch(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -153,21 +87,11 @@ class Monitor:
         self.writer.log_metrics(host_values, step)
         if report.finite:
             return True
-        alert = NonFiniteGradAlert(
-            run_id=self.run_id, run_name=self.run_name, step=step, grad_norm=report.norm,
-            params=report.nonfinite_params, positions=[p.as_dict() for p in report.positions],
-            nonfinite_positions=report.nonfinite_positions,
-        )
-        self.alerts.emit(alert)
-        if len(self.events) < MAX_EVENTS_KEPT:
-            self.events.append(alert.as_dict())
-        if self.policy == "raise":
-            raise NonFiniteGradientError(alert)
-        if self.policy == "skip":
-            for _, g in named:
-                g.zero_()
-            return False
-        return True
+        if self.session.on_nonfinite(step, report):
+            return True
+        for _, g in named:  # policy "skip"
+            g.zero_()
+        return False
 
     def log(self, metrics: Mapping[str, torch.Tensor | float], step: int) -> None:
         """Log any further values at `step` (tensors cross to the host in one transfer)."""
@@ -178,21 +102,7 @@ class Monitor:
     # ---- lifecycle -----------------------------------------------------------------------------
     def close(self, status: str = "FINISHED") -> WriterStats:
         """Drain the writer, send held-back alert summaries, store the alert events, end the run."""
-        if self._closed:
-            return self.writer.stats
-        self._closed = True
-        self.alerts.close(self.run_id, self.run_name)
-        stats = self.writer.close()
-        try:
-            if self.events:
-                with tempfile.TemporaryDirectory() as d:
-                    path = Path(d) / Path(keys.ALERTS_ARTIFACT).name
-                    path.write_text("".join(json.dumps(e, default=str) + "\n" for e in self.events))
-                    self.client.log_artifact(self.run_id, str(path), str(Path(keys.ALERTS_ARTIFACT).parent))
-            self.client.set_terminated(self.run_id, status=status)
-        except Exception as e:  # noqa: BLE001 - the metrics are safe in the journal; say so, don't crash
-            log.error("rldiag: could not finish run %s in MLflow (%s: %s)", self.run_id, type(e).__name__, e)
-        return stats
+        return self.session.close(status)
 
     def __enter__(self) -> Monitor:
         return self
