@@ -67,9 +67,13 @@ class NonFinitePosition:
     micro_batch: int
     sample: int
     position: int | None  # None when the watched tensor has no token dimension
+    rank: int | None = None  # set under torch.distributed
 
     def as_dict(self) -> dict:
-        return {"micro_batch": self.micro_batch, "sample": self.sample, "position": self.position}
+        d = {"micro_batch": self.micro_batch, "sample": self.sample, "position": self.position}
+        if self.rank is not None:
+            d["rank"] = self.rank
+        return d
 
 
 @dataclass

@@ -31,6 +31,11 @@ GRAD_NONFINITE_PARAMS = "grad/nonfinite_params"
 
 LOSS = "loss"
 
+# --- batch sizes (the weights that reduce token/sequence means across ranks) -----------------------
+BATCH_TOKENS = "batch/valid_tokens"
+BATCH_SEQUENCES = "batch/sequences"
+BATCH_REWARDS = "batch/rewards"
+
 CANONICAL_METRICS: tuple[str, ...] = (
     CLIP_RATE,
     CLIP_RATE_SEQ,
@@ -48,6 +53,9 @@ CANONICAL_METRICS: tuple[str, ...] = (
     GRAD_FINITE,
     GRAD_NONFINITE_PARAMS,
     LOSS,
+    BATCH_TOKENS,
+    BATCH_SEQUENCES,
+    BATCH_REWARDS,
 )
 
 # Foreign metric names (what other trainers log) -> canonical key. The read side maps these so that

@@ -186,7 +186,9 @@ def policy_metrics(
     rewards: Tensor | None = None,
     lp_trainer_at_rollout: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Every canonical policy metric that the given tensors allow, as `{key: 0-d tensor}`.
+    """Every canonical policy metric that the given tensors allow, as `{key: 0-d tensor}`, with the
+    batch sizes behind them (`batch/valid_tokens`, `batch/sequences`, `batch/rewards`: the weights
+    that reduce the means across ranks).
 
     `lp_trainer_at_rollout`: the trainer's logprobs at the rollout weights (before any update) for the
     mismatch metrics against `lp_old` (the engine's). On the first minibatch of an on-policy step that
@@ -194,6 +196,8 @@ def policy_metrics(
     """
     m = _valid(mask, lp_new)
     out: dict[str, Tensor] = {
+        keys.BATCH_TOKENS: m.sum().float(),
+        keys.BATCH_SEQUENCES: m.any(-1).sum().float(),
         keys.CLIP_RATE: clip_rate(lp_new, lp_old, m, eps_low=eps_low, eps_high=eps_high),
         keys.CLIP_RATE_SEQ: sequence_clip_rate(lp_new, lp_old, m, eps_low=eps_low, eps_high=eps_high),
     }
@@ -206,6 +210,7 @@ def policy_metrics(
     if rewards is not None:
         rw = reward_stats(rewards)
         out[keys.REWARD_MEAN], out[keys.REWARD_STD] = rw.mean, rw.std
+        out[keys.BATCH_REWARDS] = torch.tensor(float(rewards.numel()), device=rewards.device)
     if lp_trainer_at_rollout is not None:
         mm = logprob_mismatch(lp_trainer_at_rollout, lp_old, m)
         out[keys.MISMATCH_LOGPROB_MEAN] = mm.logprob_abs_diff_mean
@@ -214,19 +219,30 @@ def policy_metrics(
     return out
 
 
-def to_host(values: Mapping[str, Tensor | float | int]) -> dict[str, float]:
-    """Python floats for a step's values, with every tensor crossing to the host in one transfer."""
-    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-    out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
-    if tensors:
-        for k, v in tensors.items():
+def pack(values: Mapping[str, Tensor | float | int], *, device: torch.device | str | None = None) -> Tensor:
+    """All of a step's values, in order, as one 1-d float64 tensor (float32 on MPS) on `device`
+    (default: the first tensor's). Nothing crosses to the host."""
+    if device is None:
+        device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    device = torch.device(device)
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    parts = []
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor):
             if v.numel() != 1:
                 raise ValueError(
                     f"metric {k!r} is a tensor of shape {tuple(v.shape)}; log a scalar (0-d or one element), "
                     "e.g. reduce it with .mean() first"
                 )
-        first = next(iter(tensors.values()))
-        dtype = torch.float32 if first.device.type == "mps" else torch.float64
-        stacked = torch.stack([v.detach().reshape(()).to(first.device, dtype) for v in tensors.values()])
-        out.update(zip(tensors.keys(), stacked.tolist()))
-    return {k: out[k] for k in values}
+            parts.append(v.detach().reshape(1).to(device, dtype))
+        else:
+            try:
+                parts.append(torch.tensor([float(v)], dtype=dtype, device=device))
+            except (TypeError, ValueError):
+                raise ValueError(f"metric {k!r} has value {v!r} ({type(v).__name__}); log a number") from None
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+
+
+def to_host(values: Mapping[str, Tensor | float | int]) -> dict[str, float]:
+    """Python floats for a step's values, with every tensor crossing to the host in one transfer."""
+    return dict(zip(values.keys(), pack(values).tolist()))

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from collectors import keys
+from collectors import distributed, keys
+from collectors.alerts import NonFiniteGradAlert
+from collectors.metrics import pack, to_host
 from collectors.gradcheck import GradReport, LogitsProbe, build_report, grad_norm_stats, named_grads
 from collectors.session import NonFiniteGradientError, RunSession
 from collectors.writer import WriterStats
@@ -37,20 +39,29 @@ class Monitor:
 
     Keyword options are `RunSession`'s (experiment, run_name, run_id, tags, params, tracking_uri,
     policy, alerts_jsonl, webhook_url, sinks, alert_burst, alert_interval_s, spill_dir,
-    close_timeout_s); see its docstring.
+    close_timeout_s; see its docstring), plus, under torch.distributed (an initialised process group
+    of more than one rank): `per_rank` (also log each rank's values as `rank<r>/<key>`) and
+    `grads_sharded` (FSDP: the total norm sums the ranks' squares; default False, DDP). Every rank
+    creates a Monitor and calls `step`; all ranks agree on the finite flag; rank 0 opens the run and
+    writes.
     """
 
-    def __init__(self, experiment: str = "rldiag", **options: Any):
-        self.session = RunSession(experiment, **options)
-        self.run_id = self.session.run_id
-        self.writer = self.session.writer
+    def __init__(self, experiment: str = "rldiag", *, per_rank: bool = False, grads_sharded: bool = False,
+                 **options: Any):
+        self.distributed = distributed.active()
+        self.rank = torch.distributed.get_rank() if self.distributed else 0
+        self.policy = options.get("policy", "warn")
+        self.session = RunSession(experiment, **options) if self.rank == 0 else None
+        self.run_id = self.session.run_id if self.session else None
+        self.writer = self.session.writer if self.session else None
+        self.per_rank, self.grads_sharded = per_rank, grads_sharded
         self.probe = LogitsProbe()
         self.last_report: GradReport | None = None
         self._warned_no_grads = False
 
     @property
     def events(self) -> list[dict]:
-        return self.session.events
+        return self.session.events if self.session else []
 
     # ---- the loop ------------------------------------------------------------------------------
     def watch(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -79,50 +90,69 @@ class Monitor:
         values: dict[str, torch.Tensor | float] = dict(metrics or {})
         if loss is not None:
             values[keys.LOSS] = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        host_norms, host_values = _one_transfer(norms, values)
-        report = build_report(named, host_norms, self.probe)
+        vec = torch.cat([norms.to(torch.float32 if norms.device.type == "mps" else torch.float64),
+                         pack(values, device=norms.device)])
+        n = norms.numel()
+        if not self.distributed:
+            host = vec.tolist()  # the one host transfer
+            report = build_report(named, host[:n], self.probe)
+        else:
+            report, host = self._reduce(vec, n, list(values), named)
         self.probe.reset()
         self.last_report = report
-        host_values.update(report.metrics())
-        self.writer.log_metrics(host_values, step)
+        if self.session is not None:
+            logged = dict(zip(values.keys(), host[n : n + len(values)]))
+            logged.update(report.metrics())
+            if self.per_rank and len(host) > n + len(values):
+                per = host[n + len(values):]
+                for r in range(len(per) // max(1, len(values))):
+                    for j, k in enumerate(values):
+                        logged[f"rank{r}/{k}"] = per[r * len(values) + j]
+            self.writer.log_metrics(logged, step)
         if report.finite:
             return True
-        if self.session.on_nonfinite(step, report):
+        if self.session is not None:
+            go_on = self.session.on_nonfinite(step, report)
+        elif self.policy == "raise":
+            raise NonFiniteGradientError(NonFiniteGradAlert("", step, report.norm, report.nonfinite_params))
+        else:
+            go_on = self.policy == "warn"
+        if go_on:
             return True
         for _, g in named:  # policy "skip"
             g.zero_()
         return False
 
-    def log(self, metrics: Mapping[str, torch.Tensor | float], step: int) -> None:
-        """Log any further values at `step` (tensors cross to the host in one transfer)."""
-        from collectors.metrics import to_host
+    def _reduce(self, vec: torch.Tensor, n: int, value_keys: list[str], named) -> tuple[GradReport, list[float]]:
+        red = distributed.reduce_step(vec, n, value_keys, sharded=self.grads_sharded, per_rank=self.per_rank)
+        parts = [red.vector, red.nonfinite_ranks.reshape(1)]
+        if red.per_rank is not None:
+            parts.append(red.per_rank.reshape(-1))
+        host_all = torch.cat(parts).tolist()  # the one host transfer
+        host = host_all[: vec.numel()] + host_all[vec.numel() + 1 :]
+        if host_all[vec.numel()] == 0:
+            return GradReport(norm=host[0], finite=True), host
+        # Some rank is non-finite: every rank takes this path, so the collective below matches up.
+        local_norms = vec[:n].tolist()
+        local = build_report(named, local_norms, self.probe)
+        names, positions, _ = distributed.gather_failure(local.nonfinite_params, local.positions)
+        if not names:  # every rank's tensors are finite: a float32 norm overflowed, not a NaN
+            return GradReport(norm=host[0], finite=True), host
+        return GradReport(norm=host[0], finite=False, nonfinite_params=names, positions=positions,
+                          nonfinite_positions=len(positions)), host
 
-        self.writer.log_metrics(to_host(metrics), step)
+    def log(self, metrics: Mapping[str, torch.Tensor | float], step: int) -> None:
+        """Log any further values at `step` (tensors cross to the host in one transfer; rank 0 only)."""
+        if self.writer is not None:
+            self.writer.log_metrics(to_host(metrics), step)
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def close(self, status: str = "FINISHED") -> WriterStats:
+    def close(self, status: str = "FINISHED") -> WriterStats | None:
         """Drain the writer, send held-back alert summaries, store the alert events, end the run."""
-        return self.session.close(status)
+        return self.session.close(status) if self.session else None
 
     def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("FAILED" if exc_type is not None else "FINISHED")
-
-
-def _one_transfer(norms: torch.Tensor, values: Mapping[str, torch.Tensor | float]) -> tuple[list[float], dict[str, float]]:
-    """Host copies of the gradient norms and every tensor value, in a single device-to-host copy."""
-    tensor_keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
-    out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
-    dtype = torch.float32 if norms.device.type == "mps" else torch.float64
-    parts = [norms.to(dtype)]
-    for k in tensor_keys:
-        v = values[k]
-        if v.numel() != 1:
-            raise ValueError(f"metric {k!r} has shape {tuple(v.shape)}; pass a scalar, e.g. reduce with .mean()")
-        parts.append(v.detach().reshape(1).to(norms.device, dtype))
-    host = torch.cat(parts).tolist()
-    n = norms.numel()
-    out.update(zip(tensor_keys, host[n:]))
-    return host[:n], out

@@ -1,0 +1,126 @@
+"""Reducing a step's gradient check and metrics across torch.distributed ranks.
+
+Every rank calls the same collectives every step, whatever its own gradients hold, so a rank that hits
+NaN cannot leave the others waiting: one SUM all-reduce carries the non-finite count (every rank then
+agrees on `grad/finite` and on whether to step) with the token/sequence/sample sums and counts behind
+the means; one MAX all-reduce carries the maxima. Only when some rank is non-finite do the ranks
+exchange parameter names and positions (`all_gather_object`). Rank 0 writes.
+
+Every rank must pass the same metric keys in the same order at a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from collectors import keys
+from collectors.gradcheck import NonFinitePosition
+
+Tensor = torch.Tensor
+
+# Means weighted by a batch count that policy_metrics logs beside them.
+WEIGHTED = {
+    keys.CLIP_RATE: keys.BATCH_TOKENS,
+    keys.RATIO_MEAN: keys.BATCH_TOKENS,
+    keys.KL_NEW_OLD: keys.BATCH_TOKENS,
+    keys.KL_NEW_OLD_K1: keys.BATCH_TOKENS,
+    keys.ENTROPY: keys.BATCH_TOKENS,
+    keys.MISMATCH_LOGPROB_MEAN: keys.BATCH_TOKENS,
+    keys.CLIP_RATE_SEQ: keys.BATCH_SEQUENCES,
+    keys.REWARD_MEAN: keys.BATCH_REWARDS,
+}
+MAXED = {keys.RATIO_MAX, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX}
+COUNTS = {keys.BATCH_TOKENS, keys.BATCH_SEQUENCES, keys.BATCH_REWARDS}
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@dataclass
+class Reduced:
+    vector: Tensor  # same layout as the input: [total_norm, per-tensor norms..., values...]
+    nonfinite_ranks: Tensor  # 0-d: how many ranks hold a non-finite gradient
+    per_rank: Tensor | None  # [world, len(values)] when asked for
+
+
+def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bool = False,
+                per_rank: bool = False, group=None) -> Reduced:
+    """Reduce `[total_norm, norm_0.., values..]` across ranks, on the device, without a host sync.
+
+    Token/sequence/sample means become weighted means over all ranks; std of rewards is pooled exactly
+    from each rank's mean, std and count; maxima take the max; batch counts are summed; any other
+    value is averaged over ranks. The total norm is `sqrt(sum of squares)` when gradients are
+    `sharded` (FSDP), else (replicated, DDP) the largest rank's, NaN if any rank's is NaN.
+    """
+    world = dist.get_world_size(group)
+    idx = {k: n_norms + i for i, k in enumerate(value_keys)}
+    v = vec
+    local_bad = (~torch.isfinite(v[1:n_norms])).any() | ~torch.isfinite(v[0])
+    sums = [local_bad.to(v.dtype), torch.isnan(v[0]).to(v.dtype), v[0] * v[0]]
+    at: dict[str, int] = {}  # key -> its entry in `sums`
+    how: dict[str, str] = {}
+    for k in value_keys:
+        x = v[idx[k]]
+        if WEIGHTED.get(k) in idx:
+            at[k], how[k] = len(sums), "weighted"
+            sums.append(x * v[idx[WEIGHTED[k]]])
+        elif k == keys.REWARD_STD and keys.BATCH_REWARDS in idx and keys.REWARD_MEAN in idx:
+            n, m = v[idx[keys.BATCH_REWARDS]], v[idx[keys.REWARD_MEAN]]
+            at[k], how[k] = len(sums), "pooled_std"
+            sums.append((n - 1).clamp(min=0) * x * x + n * m * m)  # this rank's sum of squares
+        elif k in MAXED:
+            how[k] = "max"
+        else:
+            at[k], how[k] = len(sums), ("sum" if k in COUNTS else "rank_mean")
+            sums.append(x)
+    max_keys = [k for k in value_keys if how[k] == "max"]
+    s = torch.stack(sums)
+    mx = torch.stack([v[0]] + [v[idx[k]] for k in max_keys])
+    dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+    gathered = None
+    if per_rank:
+        local = v[n_norms:].contiguous()
+        chunks = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(chunks, local, group=group)
+        gathered = torch.stack(chunks)
+
+    out = v.clone()
+    nan = torch.tensor(float("nan"), dtype=v.dtype, device=v.device)
+    out[0] = s[2].sqrt() if sharded else torch.where(s[1] > 0, nan, mx[0])
+    for k in value_keys:
+        if how[k] == "weighted":
+            out[idx[k]] = s[at[k]] / s[at[WEIGHTED[k]]].clamp(min=1)
+        elif how[k] == "pooled_std":
+            n = s[at[keys.BATCH_REWARDS]]
+            mean = s[at[keys.REWARD_MEAN]] / n.clamp(min=1)
+            out[idx[k]] = ((s[at[k]] - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0).sqrt()
+        elif how[k] == "sum":
+            out[idx[k]] = s[at[k]]
+        elif how[k] == "rank_mean":
+            out[idx[k]] = s[at[k]] / world
+    for i, k in enumerate(max_keys, start=1):
+        out[idx[k]] = mx[i]
+    return Reduced(out, s[0], gathered)
+
+
+def gather_failure(names: list[str], positions: list[NonFinitePosition], group=None
+                   ) -> tuple[list[str], list[NonFinitePosition], list[int]]:
+    """On a step some rank found non-finite (every rank calls this): the parameter names and positions
+    of all ranks, names prefixed `rank<r>:`, positions carrying their rank; and the non-finite ranks."""
+    world = dist.get_world_size(group)
+    bucket: list = [None] * world
+    dist.all_gather_object(bucket, (dist.get_rank(group), names, positions), group=group)
+    all_names: list[str] = []
+    all_pos: list[NonFinitePosition] = []
+    ranks: list[int] = []
+    for rank, n, p in sorted(bucket, key=lambda t: t[0]):
+        if n:
+            ranks.append(rank)
+        all_names += [f"rank{rank}:{x}" for x in n]
+        all_pos += [replace(x, rank=rank) for x in p]
+    return all_names, all_pos, ranks
