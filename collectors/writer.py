@@ -137,7 +137,7 @@ class MetricWriter:
         if self._closed:
             raise RuntimeError(f"writer for run {self.run_id} is closed; metrics at step {step} were not logged")
         ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
-        self._q.put((int(step), ts, metrics))
+        self._q.put((int(step), ts, dict(metrics)))  # a copy: the caller may reuse its dict
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Enqueue run tags (delivered in order with the metrics)."""
