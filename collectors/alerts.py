@@ -111,7 +111,11 @@ class JsonlSink:
 def redact_url(url: str) -> str:
     """Scheme and host only: webhook paths and queries carry secrets."""
     p = urllib.parse.urlsplit(url)
-    return f"{p.scheme}://{p.hostname or ''}{':' + str(p.port) if p.port else ''}/..."
+    try:
+        port = f":{p.port}" if p.port else ""
+    except ValueError:
+        port = ":?"
+    return f"{p.scheme}://{p.hostname or ''}{port}/..."
 
 
 class WebhookSink:
@@ -125,6 +129,10 @@ class WebhookSink:
     def __init__(self, url: str, *, timeout_s: float = 5.0, retries: int = 2):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"webhook URL must start with http:// or https://; got {redact_url(url)!r}")
+        try:
+            urllib.parse.urlsplit(url).port
+        except ValueError:
+            raise ValueError(f"webhook URL {redact_url(url)!r} has an invalid port; use e.g. https://host:8443/path") from None
         self._url, self._timeout, self._retries = url, timeout_s, retries
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.sent = 0
@@ -239,4 +247,7 @@ class AlertDispatcher:
     def close(self, run_id: str = "", run_name: str | None = None) -> None:
         self._flush_summary(run_id, run_name)
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001 - the other sinks and the run must still close
+                log.warning("rldiag: alert sink %r failed to close: %s: %s", sink, type(e).__name__, e)

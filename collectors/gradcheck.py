@@ -95,10 +95,14 @@ class LogitsProbe:
         index = len(self._flags)
         self._flags.append(torch.zeros(0, dtype=torch.bool))
 
+        flags = self._flags
+
         def hook(grad: Tensor) -> None:
+            if flags is not self._flags or index >= len(flags):
+                return  # reset() since watch(): this backward belongs to no step being checked
             g = grad.detach()
             reduced = g.float().sum(dim=tuple(range(2, g.dim()))) if g.dim() > 2 else g.float()
-            self._flags[index] = ~torch.isfinite(reduced)
+            flags[index] = ~torch.isfinite(reduced)
 
         tensor.register_hook(hook)
         return tensor
@@ -118,7 +122,7 @@ class LogitsProbe:
         return sum(int(f.sum()) for f in self._flags if f.numel())
 
     def reset(self) -> None:
-        self._flags.clear()
+        self._flags = []
 
 
 @dataclass
