@@ -38,8 +38,8 @@ class RolloutBatch:
     """One row per completion (a request with `n` samples gives `n` rows, in output order).
 
     token_ids: `[N, T]` int64 sampled completion tokens, `pad_token_id` at padding.
-    logprobs: `[N, T]` float32 engine logprobs of those tokens (per the engine's `logprobs_mode`),
-        `pad_logprob` at padding.
+    logprobs: `[N, T]` float32 engine logprobs of those tokens (per the engine's `logprobs_mode`;
+        logits in the `*_logits` modes), `pad_logprob` at padding.
     mask: `[N, T]` bool, True at valid completion tokens.
     prompt_ids / prompt_mask: `[N, P]` the row's prompt, right-padded with `pad_token_id`.
     request_index: `[N]` position of the row's `RequestOutput` in the input list;
@@ -215,7 +215,8 @@ def recompute_logprobs(
     One forward of a causal LM (transformers-style: `model(input_ids, attention_mask).logits`) over each
     row's prompt followed by its completion, right-padded so that no valid position sees padding.
     Keeps the autograd graph (wrap in `torch.no_grad()` for a pure recompute). Pass the sampling
-    temperature / top-k / top-p to compare with an engine in `processed_logprobs` mode.
+    temperature / top-k / top-p to compare with an engine in `processed_logprobs` mode (a token at the
+    top-p boundary that the trainer's rounding drops gets `-inf`: a real disagreement, not a bug).
     """
     device = next(model.parameters()).device
     n, t = batch.token_ids.shape
@@ -265,14 +266,7 @@ def _build() -> str:
 
 
 # Requested values (the `LLM(...)` / `EngineArgs` keyword) recorded beside what the engine runs with.
-_REQUESTABLE = {
-    "async_scheduling": "async_scheduling",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "logprobs_mode": "logprobs_mode",
-    "dtype": "dtype",
-    "kv_cache_dtype": "kv_cache_dtype",
-    "block_size": "block_size",
-}
+_REQUESTABLE = ("async_scheduling", "enable_prefix_caching", "logprobs_mode", "dtype", "kv_cache_dtype", "block_size")
 
 
 def engine_fingerprint(llm: Any, *, requested: Mapping[str, Any] | None = None) -> dict[str, str]:
@@ -302,6 +296,9 @@ def engine_fingerprint(llm: Any, *, requested: Mapping[str, Any] | None = None) 
     except Exception:  # noqa: BLE001
         platform = "unknown"
 
+    def get(obj: Any, name: str) -> Any:  # fields that other vLLM releases may lack
+        return getattr(obj, name, "n/a")
+
     fp: dict[str, Any] = {
         "name": "vllm",
         "version": vllm.__version__,
@@ -309,52 +306,53 @@ def engine_fingerprint(llm: Any, *, requested: Mapping[str, Any] | None = None) 
         "platform": platform,
         "torch_version": torch.__version__,
         "model": model.model,
-        "model_impl": getattr(model, "model_impl", "auto"),
+        "model_impl": get(model, "model_impl"),
         # numerics
         "dtype": _dtype_name(model.dtype),
         "lm_head_dtype": _dtype_name(getattr(model, "head_dtype", model.dtype)),
         "kv_cache_dtype": cache.cache_dtype,
         "quantization": model.quantization or "none",
         "enforce_eager": model.enforce_eager,
-        "compilation_mode": getattr(comp, "mode", "unknown"),
-        "cudagraph_mode": getattr(comp, "cudagraph_mode", "unknown"),
+        "compilation_mode": get(comp, "mode"),
+        "cudagraph_mode": get(comp, "cudagraph_mode"),
         "attention_backend": getattr(attn, "backend", None) or "auto",
         "batch_invariant": bool(getattr(envs, "VLLM_BATCH_INVARIANT", False)),
         "tensor_parallel_size": par.tensor_parallel_size,
         "pipeline_parallel_size": par.pipeline_parallel_size,
         "data_parallel_size": par.data_parallel_size,
         # logprobs and sampling
-        "logprobs_mode": model.logprobs_mode,
-        "max_logprobs": model.max_logprobs,
+        "logprobs_mode": get(model, "logprobs_mode"),
+        "max_logprobs": get(model, "max_logprobs"),
         "seed": model.seed,
-        "generation_config": model.generation_config,
-        "logits_processors": ",".join(map(str, model.logits_processors or [])) or "none",
+        "generation_config": get(model, "generation_config"),
+        "logits_processors": ",".join(map(str, getattr(model, "logits_processors", None) or [])) or "none",
         "speculative": getattr(spec, "method", None) or "none",
         # batching and caching (which KV and which batch shapes a token's logprob is computed with)
         "enable_prefix_caching": cache.enable_prefix_caching,
         "block_size": cache.block_size,
-        "async_scheduling": bool(sched.async_scheduling),
-        "enable_chunked_prefill": sched.enable_chunked_prefill,
+        "async_scheduling": bool(getattr(sched, "async_scheduling", False)),
+        "enable_chunked_prefill": get(sched, "enable_chunked_prefill"),
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "max_num_seqs": sched.max_num_seqs,
     }
     if requested is None:
         fp["async_scheduling.requested"] = "unknown"
     else:
-        for knob, arg in _REQUESTABLE.items():
-            value = requested.get(arg)
+        for knob in _REQUESTABLE:
+            value = requested.get(knob)
             fp[f"{knob}.requested"] = "default" if value is None else (
                 _dtype_name(value) if knob == "dtype" else value
             )
     return {f"engine.{k}": _plain(v) for k, v in fp.items()}
 
 
-def shutdown_engine(llm: Any) -> None:
+def shutdown_engine(llm: Any, *, timeout: float | None = None) -> None:
     """Stop the engine's background processes now (vLLM's `LLM` has no close; they end at garbage
-    collection otherwise). Idempotent; the `LLM` is unusable afterwards."""
+    collection otherwise). `timeout`: seconds of grace before vLLM kills them (its default: 5).
+    Idempotent; the `LLM` is unusable afterwards."""
     core = getattr(getattr(llm, "llm_engine", llm), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+        core.shutdown(timeout=timeout)
 
 
 __all__ = [
