@@ -31,6 +31,7 @@ class Batch:
     metrics: list[Point]
     tags: dict[str, str] = field(default_factory=dict)
     replayed: bool = False  # read back from an earlier journal
+    created: float = 0.0  # time.monotonic() when queued for sending (0: send at once)
 
     @property
     def size(self) -> int:

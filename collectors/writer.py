@@ -7,7 +7,8 @@
 - The ingest thread validates (bad values are counted and warned about once per key, keys MLflow
   rejects are cleaned), adds the inf flags (`keys.inf_flag_key`), and journals each batch.
 - The sender merges pending batches up to `max_batch` metrics (MLflow's limit is 1000 a call), sends
-  them, and acks them in the journal. While the store is unreachable it retries with exponential
+  them once a full batch is pending or the oldest has waited `send_interval_s` (fewer store calls
+  competing with training for the CPU), and acks them in the journal. While the store is unreachable it retries with exponential
   back-off, keeping order; nothing is dropped.
 - `close()` drains with a bounded wait. What is still undelivered is counted and reported with the
   journal's path and the `rldiag sync` command that replays it; a fully delivered journal is removed.
@@ -91,6 +92,7 @@ class MetricWriter:
         journal_file: str | Path | None = None,
         max_batch: int = MAX_BATCH,
         linger_s: float = 0.05,
+        send_interval_s: float = 1.0,
         backoff_s: tuple[float, float] = (0.25, 15.0),
         close_timeout_s: float = 30.0,
     ):
@@ -101,6 +103,9 @@ class MetricWriter:
         self._send = send
         self._max_batch = max_batch
         self._linger = linger_s
+        self._send_interval = send_interval_s
+        self._pending_points = 0
+        self._flushes_waiting = 0
         self._backoff = backoff_s
         self._close_timeout = close_timeout_s
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -260,8 +265,24 @@ class MetricWriter:
 
     def _push(self, item: Batch | _Flush) -> None:
         with self._cv:
+            if isinstance(item, _Flush):
+                self._flushes_waiting += 1
+            else:
+                item.created = time.monotonic()
+                self._pending_points += item.size
             self._pending.append(item)
             self._cv.notify_all()
+
+    def _wait_s(self) -> float | None:
+        """Under the lock: None when there is nothing to send, 0 when the sender should send now, else
+        how long the oldest batch may still wait to be merged with more (fewer, larger store calls)."""
+        if not self._pending:
+            return None
+        if self._closing.is_set() or self._flushes_waiting or self._pending_points >= self._max_batch:
+            return 0.0
+        first = self._pending[0]
+        age = time.monotonic() - first.created if isinstance(first, Batch) else self._send_interval
+        return max(0.0, self._send_interval - age)
 
     def _journal_failed(self, e: OSError) -> None:
         self.stats.journal_errors += 1
@@ -274,13 +295,19 @@ class MetricWriter:
         delay = self._backoff[0]
         while True:
             with self._cv:
-                while not self._pending and not (self._closing.is_set() and self._ingest_done.is_set()):
-                    self._cv.wait()
-                if not self._pending:
-                    return
+                while True:
+                    wait = self._wait_s()
+                    if wait == 0.0:
+                        break
+                    if wait is None and self._closing.is_set() and self._ingest_done.is_set():
+                        return
+                    self._cv.wait(wait)
                 group = self._take_group()
-                if not isinstance(group, _Flush):
+                if isinstance(group, _Flush):
+                    self._flushes_waiting -= 1
+                else:
                     self._inflight = group
+                    self._pending_points -= sum(b.size for b in group)
             if isinstance(group, _Flush):
                 group.event.set()
                 continue
@@ -336,8 +363,9 @@ class MetricWriter:
             log.warning("rldiag: skipped %d damaged lines in %s", contents.corrupt_lines, path)
         self._seq = contents.max_seq + 1
         for b in contents.pending:
-            b.replayed = True
+            b.replayed = True  # created = 0: sent at once
             self._pending.append(b)
+            self._pending_points += b.size
         if contents.pending:
             log.info("rldiag: replaying %d batches of run %s from %s", len(contents.pending), self.run_id, path)
 
