@@ -1,0 +1,210 @@
+"""Three ways to read raw metric rows, one per kind of store; `app.histories` picks and combines them.
+
+- `read_sql`: SQLite file, read-only. One query for all runs and keys; run and key come back as small
+  integers (a CASE), so no Python string is built per row, and rows stream into one numpy array.
+  Measured on 1.6 M points: 0.6-0.9x the time of `pandas.read_sql` of the same rows.
+- `read_rest`: an `mlflow server`. One request per (run, key), in parallel threads, JSON read
+  straight into numpy: the UI's `get-history-bulk` (plain JSON, up to 25,000 points), continued
+  by `get-history` without `max_results` (the rest in one page); a `page_token` offset fetches only
+  rows after those already loaded. The server's own reads (SQLAlchemy ORM) dominate: expect the
+  speed-up over MLflow's client to come from the server's workers, not from this side.
+- `read_client`: `MlflowClient.get_metric_history` in parallel threads: any store MLflow reads; the
+  fallback that tests pin the fast paths against.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+from collections.abc import Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+
+from app.errors import StoreUnreachable
+from app.store import Store
+from app.trace import RawSeries
+
+Pair = tuple[str, str]  # (run_id, key as logged)
+
+
+class Latest(NamedTuple):
+    """A key's latest point as MLflow tracks it (used to skip keys with nothing new)."""
+
+    step: int
+    timestamp: int
+
+
+def _placeholders(n: int) -> str:
+    return ",".join("?" * n)
+
+
+# ---- SQLite -------------------------------------------------------------------------------------
+def read_sql(
+    store: Store, run_ids: Sequence[str], keys: Collection[str] | None, *, after_rowid: int = 0,
+    upto: int | None = None,
+) -> tuple[dict[Pair, RawSeries], int]:
+    """Rows of `run_ids` x `keys` (None: every key) with `after_rowid < rowid <= upto` (default: the
+    newest row); returns them and `upto`, the cursor for the next incremental read.
+
+    SQLite hands out increasing rowids to new rows, so the cursor catches every row written since,
+    whatever its step or timestamp.
+    """
+    if not run_ids:
+        return {}, after_rowid if upto is None else upto
+    with store.read_only() as con:
+        if upto is None:
+            upto = max_rowid(con)
+        if keys is None:
+            keys = sorted({k for (k,) in con.execute(
+                f"SELECT DISTINCT key FROM latest_metrics WHERE run_uuid IN ({_placeholders(len(run_ids))})",
+                list(run_ids))} | _keys_after(con, run_ids, after_rowid, upto))
+        keys = list(keys)
+        if not keys or upto <= after_rowid:
+            return {}, upto
+        # run i, key j and is_nan packed into one integer: (i * K + j) * 2 + is_nan.
+        nk = len(keys)
+        run_case = "CASE run_uuid " + " ".join(f"WHEN ? THEN {i * nk}" for i in range(len(run_ids))) + " END"
+        key_case = "CASE key " + " ".join(f"WHEN ? THEN {j}" for j in range(nk)) + " END"
+        where = (f"run_uuid IN ({_placeholders(len(run_ids))}) AND key IN ({_placeholders(nk)})"
+                 " AND rowid > ? AND rowid <= ?")
+        sql = f"SELECT (({run_case}) + ({key_case})) * 2 + is_nan, step, timestamp, value FROM metrics WHERE {where}"
+        cur = con.execute(sql, [*run_ids, *keys, *run_ids, *keys, after_rowid, upto])
+        flat = np.fromiter(itertools.chain.from_iterable(cur), dtype=np.float64)
+    rows = flat.reshape(-1, 4)
+    code = rows[:, 0].astype(np.int64)
+    is_nan = (code & 1).astype(bool)
+    group = code >> 1
+    values = rows[:, 3].copy()
+    values[is_nan] = np.nan
+    order = np.argsort(group, kind="stable")
+    bounds = np.flatnonzero(np.diff(group[order])) + 1
+    out: dict[Pair, RawSeries] = {}
+    for idx in np.split(order, bounds) if len(order) else []:
+        g = int(group[idx[0]])
+        pair = (run_ids[g // nk], keys[g % nk])
+        out[pair] = RawSeries(rows[idx, 1].astype(np.int64), rows[idx, 2].astype(np.int64), values[idx])
+    return out, upto
+
+
+def max_rowid(con) -> int:
+    """The newest row of the metrics table (0 when empty)."""
+    return int(con.execute("SELECT COALESCE(MAX(rowid), 0) FROM metrics").fetchone()[0])
+
+
+def missing_runs_sql(store: Store, run_ids: Sequence[str]) -> list[str]:
+    """The ids in `run_ids` that the store does not hold."""
+    with store.read_only() as con:
+        have = {r for (r,) in con.execute(
+            f"SELECT run_uuid FROM runs WHERE run_uuid IN ({_placeholders(len(run_ids))})", list(run_ids))}
+    return [r for r in run_ids if r not in have]
+
+
+def _keys_after(con, run_ids: Sequence[str], after_rowid: int, upto: int) -> set[str]:
+    """Keys written since the cursor (latest_metrics may lag when rows were written outside MLflow)."""
+    if after_rowid == 0:
+        return set()
+    return {k for (k,) in con.execute(
+        f"SELECT DISTINCT key FROM metrics WHERE rowid > ? AND rowid <= ? AND run_uuid IN ({_placeholders(len(run_ids))})",
+        [after_rowid, upto, *run_ids])}
+
+
+# ---- MLflow client (any store) and REST ---------------------------------------------------------
+def latest_client(store: Store, run_ids: Sequence[str], *, max_workers: int = 8) -> dict[str, dict[str, Latest]]:
+    """Each run's logged keys with their latest (step, timestamp), from `get_run` in parallel."""
+    def one(run_id: str) -> dict[str, Latest]:
+        proto = store.client.get_run(run_id).to_proto()
+        return {m.key: Latest(int(m.step), int(m.timestamp)) for m in proto.data.metrics}
+
+    return dict(zip(run_ids, _parallel(one, run_ids, max_workers, store)))
+
+
+def read_client(store: Store, pairs: Sequence[Pair], *, max_workers: int = 8) -> dict[Pair, RawSeries]:
+    """Whole histories through `MlflowClient.get_metric_history`, one call per pair, in threads."""
+    def one(pair: Pair) -> RawSeries:
+        ms = store.client.get_metric_history(*pair)
+        return RawSeries(np.fromiter((m.step for m in ms), np.int64, len(ms)),
+                         np.fromiter((m.timestamp for m in ms), np.int64, len(ms)),
+                         np.fromiter((m.value for m in ms), np.float64, len(ms)))
+
+    return dict(zip(pairs, _parallel(one, pairs, max_workers, store)))
+
+
+_HISTORY = "/api/2.0/mlflow/metrics/get-history"
+# The endpoint MLflow's own UI uses: plain JSON (no protobuf round trip, about 1.4x less server time),
+# but it silently stops at 25,000 points, so a full page is continued through get-history.
+_BULK = "/ajax-api/2.0/mlflow/metrics/get-history-bulk"
+_BULK_MAX = 25_000
+
+
+def read_rest(store: Store, pairs: Iterable[tuple[str, str, int]], *, max_workers: int = 8) -> dict[Pair, RawSeries]:
+    """Histories from a server's REST API; each item is (run_id, key, offset): rows already loaded
+    are skipped (the server orders a history by timestamp, step, value, so new rows come last)."""
+    from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+    creds = store.client._tracking_client.store.get_host_creds()  # the client's auth, not our own
+    bulk_ok = [True]  # False once the server has no bulk endpoint
+
+    def get(endpoint: str, params: dict) -> list[dict]:
+        resp = http_request(creds, endpoint, "GET", params=params, max_retries=2, timeout=300)
+        verify_rest_response(resp, endpoint)
+        return json.loads(resp.text).get("metrics", [])
+
+    def one(item: tuple[str, str, int]) -> RawSeries:
+        run_id, key, offset = item
+        parts: list[list[dict]] = []
+        if offset == 0 and bulk_ok[0]:
+            try:
+                ms = get(_BULK, {"run_id": run_id, "metric_key": key, "max_results": _BULK_MAX})
+            except Exception as e:  # noqa: BLE001 - a server without the UI endpoint answers 404
+                if "404" not in str(e) and "ENDPOINT_NOT_FOUND" not in str(e):
+                    raise
+                bulk_ok[0] = False
+            else:
+                if len(ms) < _BULK_MAX:
+                    return _arrays(ms)
+                parts.append(ms)
+                offset = len(ms)
+        params = {"run_id": run_id, "metric_key": key}
+        if offset:
+            params["page_token"] = base64.b64encode(json.dumps({"offset": offset}).encode()).decode()
+        parts.append(get(_HISTORY, params))  # no max_results: the rest of the history in one page
+        return _arrays([m for part in parts for m in part])
+
+    items = list(pairs)
+    return {(r, k): s for (r, k, _), s in zip(items, _parallel(one, items, max_workers, store))}
+
+
+def _arrays(ms: list[dict]) -> RawSeries:
+    # Protobuf JSON leaves out zero values and may spell int64 as strings, NaN as "NaN" and inf as
+    # "Infinity"; the bulk endpoint writes plain numbers and NaN. int() and float() read them all.
+    n = len(ms)
+    return RawSeries(np.fromiter((int(m.get("step", 0)) for m in ms), np.int64, n),
+                     np.fromiter((int(m.get("timestamp", 0)) for m in ms), np.int64, n),
+                     np.fromiter((float(m.get("value", 0.0)) for m in ms), np.float64, n))
+
+
+def _parallel(fn, items: Sequence, max_workers: int, store: Store) -> list:
+    if not items:
+        return []
+    try:
+        if len(items) == 1 or max_workers <= 1:
+            return [fn(i) for i in items]
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(items)), thread_name_prefix="rldiag-read") as pool:
+            return list(pool.map(fn, items))
+    except Exception as e:  # noqa: BLE001 - connection errors come in many types
+        from mlflow.exceptions import MlflowException
+
+        if isinstance(e, MlflowException) and getattr(e, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST",):
+            from app.errors import RunNotFound
+
+            raise RunNotFound(f"{e.message.splitlines()[0]} in the store at {store.uri!r}; "
+                              "check the run id (rldiag reads runs, it never creates them)") from None
+        if isinstance(e, (OSError, MlflowException)) or "Connection" in type(e).__name__:
+            raise StoreUnreachable(f"reading metric histories from {store.uri!r} failed: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}. Check that the store is up "
+                                   "and MLFLOW_TRACKING_URI points at it.") from None
+        raise
+

@@ -1,0 +1,111 @@
+"""Which tracking store a URI names, checked once, read-only, with an error that says the fix.
+
+Three kinds, each read its fastest way by `app.histories`:
+- `sqlite`: a local MLflow SQLite file (the embedded default); read with read-only SQL.
+- `rest`: an `mlflow server` over http(s); read with its REST endpoints in parallel.
+- `other`: anything else MLflow's client understands (postgresql://, file:, databricks); read
+  through `MlflowClient`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from app.errors import StoreUnreachable
+
+StoreKind = Literal["sqlite", "rest", "other"]
+_FIX = "Set MLFLOW_TRACKING_URI (or --tracking-uri) to your store, or unset it to use ./mlruns.db."
+
+
+@dataclass(frozen=True)
+class Store:
+    """A checked tracking store. `client` is MLflow's client for it, created on first use."""
+
+    uri: str
+    kind: StoreKind
+    sqlite_path: Path | None = None
+
+    @cached_property
+    def client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(self.uri)
+
+    @contextmanager
+    def read_only(self) -> Iterator[sqlite3.Connection]:
+        """A read-only connection to the SQLite file (never creates or migrates it), closed after."""
+        if self.sqlite_path is None:
+            raise ValueError(f"{self.uri!r} is not a SQLite store")
+        con = _connect_ro(self.sqlite_path)
+        try:
+            yield con
+        finally:
+            con.close()
+
+
+def sqlite_path_of(uri: str) -> Path | None:
+    """The file of a `sqlite:///path` URI (relative to the working directory), else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0]).resolve()
+
+
+def _connect_ro(path: Path) -> sqlite3.Connection:
+    con = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=30, check_same_thread=False)
+    con.execute("PRAGMA query_only = 1")
+    return con
+
+
+def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0) -> Store:
+    """Check that `tracking_uri` (default: rldiag's default store) answers and return its `Store`.
+
+    Raises StoreUnreachable for a SQLite file that is missing or not an MLflow store, or a server
+    that does not answer within `timeout_s`. Nothing is created or written.
+    """
+    from collectors.settings import default_tracking_uri
+
+    uri = tracking_uri or default_tracking_uri()
+    if uri.startswith("sqlite:"):
+        path = sqlite_path_of(uri)
+        if path is None:
+            raise StoreUnreachable(f"tracking URI {uri!r} is not a SQLite file URI; use sqlite:///path/to/mlruns.db. {_FIX}")
+        if not path.is_file():
+            raise StoreUnreachable(
+                f"no MLflow store at {str(path)!r} (from tracking URI {uri!r}): the file does not exist. "
+                f"Run `rldiag demo` to create one there, or point at your store. {_FIX}"
+            )
+        try:
+            with closing(_connect_ro(path)) as con:
+                tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        except sqlite3.Error as e:
+            raise StoreUnreachable(f"cannot read {str(path)!r} as a SQLite file ({e}). {_FIX}") from None
+        if not {"runs", "metrics", "experiments"} <= tables:
+            raise StoreUnreachable(
+                f"{str(path)!r} is a SQLite file but not an MLflow tracking store (no runs/metrics tables). {_FIX}"
+            )
+        return Store(uri, "sqlite", path)
+    if uri.startswith(("http://", "https://")):
+        _probe(uri, timeout_s)
+        return Store(uri, "rest")
+    return Store(uri, "other")
+
+
+def _probe(uri: str, timeout_s: float) -> None:
+    """Fail in seconds on a server that does not answer (MLflow's client retries for minutes)."""
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answers (a proxy, or no /health route): let the real calls decide
+    except OSError as e:
+        raise StoreUnreachable(
+            f"cannot reach the MLflow tracking server at {uri!r} ({getattr(e, 'reason', e)}). "
+            f"Start it (mlflow server --host 127.0.0.1 --port 5000) or fix the URI. {_FIX}"
+        ) from None

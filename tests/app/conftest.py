@@ -1,0 +1,70 @@
+"""Stores for the read side's tests, written the way rldiag writes them (open_run + MetricWriter)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+from collectors.mlflow_store import make_sender, open_run
+from collectors.writer import MetricWriter
+
+T0_MS = 1_700_000_000_000
+
+
+@pytest.fixture(scope="session")
+def template_db(tmp_path_factory) -> Path:
+    """One migrated MLflow SQLite file, copied per test (migrations cost seconds each)."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlruns.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def store_uri(sqlite_uri: str, template_db: Path) -> str:
+    """A fresh, migrated SQLite store (sqlite:///...) in the test's tmp_path."""
+    shutil.copyfile(template_db, sqlite_uri.removeprefix("sqlite:///"))
+    return sqlite_uri
+
+
+def write_run(
+    uri: str,
+    *,
+    experiment: str = "exp",
+    name: str = "run",
+    tags: Mapping[str, str] | None = None,
+    params: Mapping[str, object] | None = None,
+    steps: Iterable[tuple[int, Mapping[str, float]]] = (),
+    run_id: str | None = None,
+    finish: bool = True,
+    t0_ms: int = T0_MS,
+) -> str:
+    """Open (or resume) a run and log `(step, {key: value})` through rldiag's writer; returns the run id.
+
+    Timestamps are `t0_ms + step`, so a resumed run that logs a step again can pass a later `t0_ms`.
+    """
+    client, run = open_run(uri, experiment=experiment, run_name=name, run_id=run_id, tags=tags, params=params)
+    rid = run.info.run_id
+    writer = MetricWriter(rid, make_sender(uri), tracking_uri=uri, spill_dir=None)
+    for step, metrics in steps:
+        writer.log_metrics(metrics, step, timestamp_ms=t0_ms + step)
+    stats = writer.close(timeout=120)
+    assert stats.undelivered == 0 and stats.rejected == 0, stats
+    if finish:
+        client.set_terminated(rid)
+    return rid
+
+
+def log_raw(uri: str, run_id: str, points: Iterable[tuple[str, float, int, int]]) -> None:
+    """`(key, value, timestamp_ms, step)` through MLflow's own batch call, as a foreign trainer writes."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    ms = [Metric(k, v, ts, st) for k, v, ts, st in points]
+    client = MlflowClient(uri)
+    for i in range(0, len(ms), 1000):
+        client.log_batch(run_id, metrics=ms[i : i + 1000])
