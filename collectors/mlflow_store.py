@@ -35,12 +35,15 @@ def client_for(tracking_uri: str):
     return _mlflow()(tracking_uri)
 
 
-def make_sender(tracking_uri: str, *, request_timeout_s: float = 10.0):
+def make_sender(tracking_uri: str, *, request_timeout_s: float = 60.0):
     """`send(run_id, metrics, tags)` for the writer: one `log_batch` call, no internal retries.
 
     Over REST it posts to `runs/log-batch` itself with `max_retries=0`, so a down server fails fast
     and the writer's own back-off (which never blocks training) decides when to try again; MLflow's
-    client would otherwise retry inside the call for minutes.
+    client would otherwise retry inside the call for minutes. The timeout is generous on purpose: a
+    batch that timed out has often been stored anyway, and its re-send takes MLflow's slow duplicate
+    check (10-15 s for 1000 points on a loaded 2-core server), which a short timeout would cut off
+    again and again.
     """
     from mlflow.entities import Metric, RunTag
     from mlflow.store.tracking.rest_store import RestStore
