@@ -1,0 +1,111 @@
+"""Shared helpers: timing summaries, metric payloads, SQLite stores and result files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+import shutil
+import sqlite3
+import statistics
+import time
+from pathlib import Path
+
+from collectors import keys
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# 16 keys, as one training step logs them: real rldiag keys (padded should the canonical set shrink).
+METRIC_KEYS: tuple[str, ...] = tuple([*keys.CANONICAL_METRICS, *(f"bench/extra_{i}" for i in range(16))][:16])
+_TEMPLATE_DB: Path | None = None
+
+
+def step_metrics(step: int, rng: random.Random) -> dict[str, float]:
+    """A fresh `{key: float}` of `len(METRIC_KEYS)` = 16 values for `step` (a new dict each step, as `Monitor.step` builds)."""
+    return {k: rng.random() + step for k in METRIC_KEYS}
+
+
+def summarize_ms(samples_s: list[float]) -> dict[str, float]:
+    """Median, p99, mean and max of durations in seconds, as milliseconds."""
+    xs = sorted(samples_s)
+    p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+    return {
+        "n": len(xs),
+        "median_ms": statistics.median(xs) * 1e3,
+        "p99_ms": p99 * 1e3,
+        "mean_ms": statistics.fmean(xs) * 1e3,
+        "max_ms": xs[-1] * 1e3,
+    }
+
+
+def fresh_sqlite_db(path: Path) -> str:
+    """A new, migrated MLflow SQLite store at `path`; copies a template so that only the first costs ~8 s."""
+    global _TEMPLATE_DB
+    from mlflow.tracking import MlflowClient
+
+    if _TEMPLATE_DB is None or not _TEMPLATE_DB.exists():
+        template = path.parent / "_template.db"
+        MlflowClient(f"sqlite:///{template}").search_experiments()  # runs the schema migrations
+        _TEMPLATE_DB = template
+    shutil.copyfile(_TEMPLATE_DB, path)
+    return f"sqlite:///{path}"
+
+
+def count_points(db: Path, run_id: str) -> dict[str, int]:
+    """Rows and distinct (key, step) pairs of a run, read straight from an MLflow SQLite file."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=60) as con:
+        rows, distinct = con.execute(
+            "SELECT COUNT(*), COUNT(DISTINCT key || '@' || step) FROM metrics WHERE run_uuid = ?", (run_id,)
+        ).fetchone()
+    return {"rows": rows, "distinct_key_step": distinct}
+
+
+def missing_steps(db: Path, run_id: str, steps: int) -> list[list[int]]:
+    """Steps in `range(steps)` that lack any of the 16 keys, as `[first, last]` ranges."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=60) as con:
+        full = {s for (s,) in con.execute(
+            "SELECT step FROM metrics WHERE run_uuid = ? GROUP BY step HAVING COUNT(DISTINCT key) >= ?",
+            (run_id, len(METRIC_KEYS)))}
+    ranges: list[list[int]] = []
+    for s in range(steps):
+        if s in full:
+            continue
+        if ranges and ranges[-1][1] == s - 1:
+            ranges[-1][1] = s
+        else:
+            ranges.append([s, s])
+    return ranges
+
+
+def quiet_mlflow() -> None:
+    """MLflow logs INFO lines for every migration and run; keep benchmark output readable."""
+    for name in ("mlflow", "alembic", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def env_info() -> dict:
+    import mlflow
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "mlflow": mlflow.__version__,
+        "torch": torch.__version__,
+        "cpus": __import__("os").cpu_count(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def summary_row(benchmark: str, rldiag: str, alternative: str, ratio: str, goal: str, met: bool | None) -> dict:
+    """One line of the README table (see run_all.py)."""
+    return {"benchmark": benchmark, "rldiag": rldiag, "alternative": alternative, "ratio": ratio, "goal": goal,
+            "met": met}
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return path

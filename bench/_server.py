@@ -1,0 +1,71 @@
+"""A real `mlflow server --workers 1` on 127.0.0.1 over a SQLite file, which can be killed and restarted.
+
+The same idea as `tests/conftest.py::MlflowServer`, kept here so that benchmarks do not import pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    def __init__(self, root: Path, port: int | None = None):
+        self.root = root
+        self.port = port or free_port()
+        self.db = root / "server.db"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> float:
+        """Start and wait for a 200 on /health; returns the seconds that took."""
+        t0 = time.monotonic()
+        cmd = [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+            "--workers", "1", "--backend-store-uri", f"sqlite:///{self.db}",
+            "--default-artifact-root", str(self.root / "artifacts"),
+        ]
+        log = open(self.root / "server.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+        log.close()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except OSError:
+                time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"mlflow server did not answer /health within {timeout}s; see {self.root / 'server.log'}")
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group (the server and its worker)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self.proc = None
+
+    def __enter__(self) -> "MlflowServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()

@@ -1,0 +1,236 @@
+"""Full metric histories, 10 runs x 8 metrics x 20k steps (1.6 M points) from one SQLite store.
+
+    python -m bench.load_histories [--runs 10] [--metrics 8] [--steps 20000] [--rounds 3] [--skip-client]
+                                   [--server-runs N]
+
+Three ways, each timed to the same end point (every point of every run's 8 metrics in memory as
+numbers, NaN as NaN):
+- rldiag: `app.histories.load_histories` (read-only SQL, one query), building per-run, per-metric
+  numpy traces with inf restored and steps aligned;
+- MLflow: `MlflowClient.get_metric_history` per run per metric (what a user would write);
+- raw SQL (the floor): `pandas.read_sql` of the store's `metrics` table for those runs and keys.
+Then a warm reload: `load_histories(..., previous=h)` after 8 new steps were written to one run,
+which fetches only the new rows. With `--server-runs N`, a local `mlflow server --workers 1` serves a
+copy of the same file and the first N runs are read over REST both ways (rldiag's parallel
+`get-history` reader vs `MlflowClient.get_metric_history`).
+
+The store is made once by MLflow (schema, experiment, runs, tags) and filled by direct SQL inserts
+(log_batch would take minutes), then cached under /tmp; a NaN, a +inf (with rldiag's flag) and a -inf
+are planted in one run's grad/norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
+from bench._common import env_info, quiet_mlflow, summary_row, write_result
+from collectors import keys
+
+NAME = "load_histories"
+GOAL = 1.3  # rldiag <= 1.3x the raw SQL read
+WARM_GOAL_S = 0.5
+CACHE = Path(tempfile.gettempdir()) / "rldiag-bench"
+MAX_FLOAT = 1.7976931348623157e308
+METRICS = (keys.CLIP_RATE, keys.RATIO_MEAN, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
+           keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS)
+EXPERIMENT = "bench-load-histories"
+T0_MS = 1_700_000_000_000
+
+
+def _rows(run_id: str, run_no: int, metric_keys: tuple[str, ...], steps: int, start: int = 0):
+    rng = np.random.default_rng(run_no)
+    step = np.arange(start, start + steps)
+    ts = T0_MS + step * 100
+    for k_no, key in enumerate(metric_keys):
+        vals = np.cumsum(rng.normal(0, 0.01, steps)) + k_no
+        for s, t, v in zip(step.tolist(), ts.tolist(), vals.tolist()):
+            yield (key, v, t, run_id, s, 0)
+
+
+def build_store(path: Path, n_runs: int, n_metrics: int, steps: int) -> tuple[str, list[str]]:
+    """An MLflow SQLite store at `path` holding the benchmark's runs; returns (uri, run_ids)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{path}"
+    if path.exists():
+        with sqlite3.connect(path) as con:
+            ids = [r[0] for r in con.execute("SELECT run_uuid FROM runs ORDER BY name")]
+        if len(ids) == n_runs:
+            return uri, ids
+        path.unlink()
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    client = MlflowClient(f"sqlite:///{tmp}")
+    exp = client.create_experiment(EXPERIMENT)
+    ids = [client.create_run(exp, run_name=f"run-{i:02d}", tags={keys.TAG_SEED: str(i)}).info.run_id
+           for i in range(n_runs)]
+    metric_keys = METRICS[:n_metrics]
+    with sqlite3.connect(tmp) as con:
+        con.execute("PRAGMA journal_mode=OFF")
+        con.execute("PRAGMA synchronous=OFF")
+        for i, run_id in enumerate(ids):
+            con.executemany("INSERT INTO metrics (key, value, timestamp, run_uuid, step, is_nan) VALUES (?,?,?,?,?,?)",
+                            _rows(run_id, i, metric_keys, steps))
+        # Non-finite points in run 3's grad/norm, stored as MLflow stores them (NaN: value 0, is_nan 1).
+        bad = ids[min(3, n_runs - 1)]
+        for step, value, is_nan in ((steps // 4, 0.0, 1), (steps // 2, MAX_FLOAT, 0), (3 * steps // 4, -MAX_FLOAT, 0)):
+            con.execute("UPDATE metrics SET value=?, is_nan=? WHERE run_uuid=? AND key=? AND step=?",
+                        (value, is_nan, bad, keys.GRAD_NORM, step))
+            if not is_nan:
+                con.execute("INSERT INTO metrics VALUES (?,?,?,?,?,?)",
+                            (keys.inf_flag_key(keys.GRAD_NORM), 1.0 if value > 0 else -1.0, T0_MS + step * 100,
+                             bad, step, 0))
+        con.execute("""INSERT OR REPLACE INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid)
+                       SELECT key, value, timestamp, step, is_nan, run_uuid FROM metrics m
+                       WHERE step = (SELECT MAX(step) FROM metrics WHERE run_uuid = m.run_uuid AND key = m.key)""")
+        con.execute("UPDATE runs SET status='FINISHED'")
+    tmp.replace(path)
+    return uri, ids
+
+
+def append_steps(path: Path, run_id: str, metric_keys: tuple[str, ...], start: int, n: int) -> None:
+    """Write `n` more steps to one run, as a live run would (direct SQL, one transaction)."""
+    with sqlite3.connect(path) as con:
+        con.executemany("INSERT INTO metrics (key, value, timestamp, run_uuid, step, is_nan) VALUES (?,?,?,?,?,?)",
+                        _rows(run_id, 99, metric_keys, n, start=start))
+
+
+def time_rldiag(uri: str, ids: list[str], metric_keys) -> tuple[float, object]:
+    from app.histories import load_histories
+
+    t0 = time.perf_counter()
+    h = load_histories(uri, ids, metric_keys)
+    return time.perf_counter() - t0, h
+
+
+def time_raw_sql(path: Path, ids: list[str], metric_keys) -> tuple[float, int]:
+    import pandas as pd
+
+    t0 = time.perf_counter()
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+        q = (f"SELECT run_uuid, key, step, timestamp, value, is_nan FROM metrics "
+             f"WHERE run_uuid IN ({','.join('?' * len(ids))}) AND key IN ({','.join('?' * len(metric_keys))})")
+        df = pd.read_sql(q, con, params=[*ids, *metric_keys])
+    return time.perf_counter() - t0, len(df)
+
+
+def time_client(uri: str, ids: list[str], metric_keys) -> tuple[float, int]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    t0 = time.perf_counter()
+    n = sum(len(client.get_metric_history(r, k)) for r in ids for k in metric_keys)
+    return time.perf_counter() - t0, n
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--metrics", type=int, default=8, choices=range(1, len(METRICS) + 1))
+    ap.add_argument("--steps", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of rldiag and raw SQL (alternating)")
+    ap.add_argument("--skip-client", action="store_true", help="skip MlflowClient (about a minute)")
+    ap.add_argument("--server-runs", type=int, default=0, help="also read N runs over a local mlflow server")
+    args = ap.parse_args(argv)
+    quiet_mlflow()
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"histories-{args.runs}x{args.metrics}x{args.steps}.db"
+    t0 = time.perf_counter()
+    uri, ids = build_store(path, args.runs, args.metrics, args.steps)
+    print(f"store {path} ({path.stat().st_size / 1e6:.0f} MB) ready in {time.perf_counter() - t0:.1f} s")
+    metric_keys = METRICS[: args.metrics]
+    expected = args.runs * args.metrics * args.steps
+
+    time_rldiag(uri, ids, metric_keys)  # page cache warm-up for both readers
+    rl, raw = [], []
+    for _ in range(args.rounds):
+        s, h = time_rldiag(uri, ids, metric_keys)
+        rl.append(s)
+        s, n_raw = time_raw_sql(path, ids, metric_keys)
+        raw.append(s)
+    points = sum(len(t) for t in h.traces.values())
+    bad = h.get(ids[min(3, args.runs - 1)], keys.GRAD_NORM).nonfinite()
+    print(f"rldiag loader     {statistics.median(rl):7.2f} s  ({points} points; run 3 grad/norm NaN at "
+          f"{bad.nan.tolist()}, +inf at {bad.posinf.tolist()}, -inf at {bad.neginf.tolist()})")
+    print(f"raw pandas SQL    {statistics.median(raw):7.2f} s  ({n_raw} rows)")
+    ratio = statistics.median(rl) / statistics.median(raw)
+    print(f"ratio rldiag / raw SQL: {ratio:.2f}x (goal <= {GOAL}x)")
+
+    start = args.steps
+    append_steps(path, ids[0], metric_keys, start, 8)
+    t0 = time.perf_counter()
+    h2 = load_histories_again(uri, ids, metric_keys, h)
+    warm = time.perf_counter() - t0
+    new_points = sum(len(t) for t in h2.traces.values()) - points
+    print(f"warm reload       {warm:7.3f} s  ({new_points} new points; goal <= {WARM_GOAL_S} s)")
+    with sqlite3.connect(path) as con:  # leave the cached store as it was built
+        con.execute("DELETE FROM metrics WHERE step >= ?", (start,))
+
+    client_s = None
+    if not args.skip_client:
+        client_s, n_client = time_client(uri, ids, metric_keys)
+        print(f"MlflowClient      {client_s:7.2f} s  ({n_client} points, get_metric_history per run per metric)")
+        print(f"speed-up rldiag vs MlflowClient: {client_s / statistics.median(rl):.1f}x")
+
+    server = time_server(path, ids[: args.server_runs], metric_keys) if args.server_runs else None
+
+    result = {
+        "server": server,
+        "env": env_info(), "runs": args.runs, "metrics": args.metrics, "steps": args.steps, "points": expected,
+        "rldiag_s": rl, "raw_sql_s": raw, "ratio_vs_raw_sql": ratio, "warm_reload_s": warm,
+        "warm_new_points": new_points, "client_s": client_s, "complete": points == expected,
+        "summary": [
+            summary_row("full histories, SQLite", f"{statistics.median(rl):.2f} s",
+                        f"raw SQL {statistics.median(raw):.2f} s", f"{ratio:.2f}x", f"<= {GOAL}x", ratio <= GOAL),
+            summary_row("warm reload, SQLite", f"{warm:.3f} s", "-", "-", f"<= {WARM_GOAL_S} s", warm <= WARM_GOAL_S),
+        ],
+    }
+    print(f"results: {write_result(NAME, result)}")
+    return result
+
+
+def time_server(path: Path, ids: list[str], metric_keys) -> dict:
+    """rldiag's REST reader vs MlflowClient, both against one local server over a copy of the store."""
+    import shutil
+
+    from app.histories import load_histories
+    from bench._server import MlflowServer
+    from mlflow.tracking import MlflowClient
+
+    root = Path(tempfile.mkdtemp(prefix="rldiag-bench-server-"))
+    shutil.copyfile(path, root / "server.db")
+    try:
+        with MlflowServer(root) as server:
+            load_histories(server.uri, ids[:1], metric_keys[:1])  # first request: lazy imports server-side
+            t0 = time.perf_counter()
+            h = load_histories(server.uri, ids, metric_keys)
+            rl = time.perf_counter() - t0
+            client = MlflowClient(server.uri)
+            t0 = time.perf_counter()
+            n = sum(len(client.get_metric_history(r, k)) for r in ids for k in metric_keys)
+            cl = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    points = sum(len(t) for t in h.traces.values())
+    print(f"server, {len(ids)} runs: rldiag REST {rl:.2f} s ({points} points), MlflowClient {cl:.2f} s ({n} points), "
+          f"speed-up {cl / rl:.1f}x")
+    return {"runs": len(ids), "rldiag_s": rl, "client_s": cl, "speedup": cl / rl, "points": points}
+
+
+def load_histories_again(uri, ids, metric_keys, previous):
+    from app.histories import load_histories
+
+    return load_histories(uri, ids, metric_keys, previous=previous)
+
+
+if __name__ == "__main__":
+    main()

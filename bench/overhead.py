@@ -1,0 +1,268 @@
+"""Step-time overhead of rldiag in a CPU training loop, next to `torch.autograd.detect_anomaly()`.
+
+    python -m bench.overhead [--quick] [--blocks N] [--block-steps K]
+
+TinyPolicy (vocab 512, d_model 128, 2 layers) on a batch of 8 x 128 tokens: forward, a clipped
+policy-gradient loss against fixed rollout logprobs, backward, grad clipping, AdamW. Variants, each
+with its own copy of the same initial model:
+- bare: just that step;
+- rldiag: `Monitor.watch` on the logits, `policy_metrics(...)`, `Monitor.step(...)` (gradient check and
+  logging into a real SQLite store in a temp dir, journal on);
+- anomaly: the forward and backward under `torch.autograd.detect_anomaly()`;
+- rldiag_nostore (diagnostic): rldiag with a writer whose send does nothing and no journal, to split
+  the overhead into "computing the diagnostics" and "delivering them to MLflow in-process";
+- rldiag_linger1s (diagnostic): rldiag whose writer batches 1 s of steps per store call
+  (`linger_s=1.0` instead of 0.05), to show how much of the delivery cost is per call.
+
+torch runs one intra-op thread by default (`--threads 0` for all cores): on a shared 2-core machine
+multi-threaded torch steps swing up to 10x with other processes' load, one thread keeps the ratios
+stable; the writer's background threads may then use the other core, as they would beside a GPU loop.
+
+Variants run in blocks of K steps in rotating order (ABC, BCA, CAB, ...), so machine noise hits them
+alike. At the end of an rldiag block the writer is flushed outside the timed region, so its
+background work lands in its own block rather than in the next variant's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
+from bench._common import env_info, fresh_sqlite_db, quiet_mlflow, summarize_ms, summary_row, write_result
+
+NAME = "overhead"
+GOAL = 1.05  # rldiag step <= 1.05x bare
+
+
+def _median_ms(fn, n: int = 15) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def _components(model, ids, loss_of, mon, policy_metrics, lp_old, mask, rewards, uri: str, run_id: str) -> dict:
+    """Each piece rldiag adds to a step, timed on its own (median ms), to say where the overhead goes."""
+    import torch
+
+    from collectors.metrics import entropy_from_logits
+    from collectors.mlflow_store import make_sender
+
+    out: dict[str, float] = {}
+
+    def fwd_bwd(watch: bool) -> None:
+        logits = model(ids)
+        if watch:
+            mon.watch(logits)
+        loss_of(logits)[0].backward()
+        mon.probe.reset()
+        model.zero_grad()
+
+    pair: dict[str, list[float]] = {"fwd_bwd": [], "fwd_bwd_watched": []}
+    for _ in range(20):  # alternated, so that load changes hit both alike
+        for name, watch in (("fwd_bwd", False), ("fwd_bwd_watched", True)):
+            t0 = time.perf_counter()
+            fwd_bwd(watch)
+            pair[name].append(time.perf_counter() - t0)
+    out.update({k: statistics.median(v) * 1e3 for k, v in pair.items()})
+    logits = model(ids)
+    loss, lp_new = loss_of(logits)
+    loss.backward()
+    lp, lg = lp_new.detach(), logits.detach()
+    out["policy_metrics"] = _median_ms(lambda: policy_metrics(lp, lp_old, mask, logits=lg, rewards=rewards,
+                                                              lp_trainer_at_rollout=lp))
+    out["entropy_from_logits"] = _median_ms(lambda: entropy_from_logits(lg, mask))
+    stats = policy_metrics(lp, lp_old, mask, logits=lg, rewards=rewards, lp_trainer_at_rollout=lp)
+    out["monitor_step"] = _median_ms(lambda: mon.step(0, model, loss=loss, metrics=stats))
+    # What the background writer does per step (in this process, on the same 2 cores): one SQLite
+    # log_batch of the step's values.
+    send = make_sender(uri)
+    n = len(stats) + 4
+    counter = iter(range(10**9))
+    out["sqlite_send_one_step"] = _median_ms(
+        lambda: send(run_id, [(f"bench/k{j}", 1.0, int(time.time() * 1000), next(counter)) for j in range(n)], {}))
+    model.zero_grad()
+    torch.manual_seed(0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer blocks")
+    ap.add_argument("--blocks", type=int, default=12, help="blocks per variant")
+    ap.add_argument("--block-steps", type=int, default=10, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default, all cores)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.blocks, args.block_steps = 3, 5
+
+    import torch
+
+    from collectors import MetricWriter, Monitor, policy_metrics
+    from collectors.mlflow_store import make_sender
+    from experiments.tiny_policy import PolicyConfig, TinyPolicy, token_logprobs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quiet_mlflow()
+    logging.getLogger("rldiag").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*Anomaly Detection has been enabled.*")
+    torch.manual_seed(0)
+    cfg = PolicyConfig(vocab=512, d_model=128, n_layers=2, n_heads=4, max_len=128)
+    batch, seq = 8, 128
+    base = TinyPolicy(cfg)
+    ids = torch.randint(0, cfg.vocab, (batch, seq))
+    targets = torch.roll(ids, -1, 1)
+    with torch.no_grad():
+        lp_old = token_logprobs(base(ids), targets) + 0.01 * torch.randn(batch, seq)
+    lengths = torch.randint(seq // 2, seq + 1, (batch,))
+    mask = torch.arange(seq)[None, :] < lengths[:, None]
+    adv = torch.randn(batch, 1)
+    rewards = torch.rand(batch)
+
+    def loss_of(logits):
+        lp_new = token_logprobs(logits, targets)
+        ratio = (lp_new - lp_old).exp()
+        obj = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+        return -(torch.where(mask, obj, 0.0).sum() / mask.sum()), lp_new
+
+    models = {v: copy.deepcopy(base) for v in ("bare", "rldiag", "anomaly", "rldiag_nostore", "rldiag_linger1s")}
+    opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-4) for v, m in models.items()}
+
+    def step_bare(i: int) -> None:
+        model, opt = models["bare"], opts["bare"]
+        loss, _ = loss_of(model(ids))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    def step_anomaly(i: int) -> None:
+        model, opt = models["anomaly"], opts["anomaly"]
+        with torch.autograd.detect_anomaly():
+            loss, _ = loss_of(model(ids))
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    with tempfile.TemporaryDirectory(prefix="rldiag-bench-") as d:
+        work = Path(d)
+        uri = fresh_sqlite_db(work / "store.db")
+        mon = Monitor("bench-overhead", run_name="overhead", tracking_uri=uri, spill_dir=str(work / "spill"),
+                      params={"vocab": cfg.vocab, "d_model": cfg.d_model, "layers": cfg.n_layers})
+
+        # Same Monitor code path, but the writer's send does nothing and keeps no journal.
+        mon_nostore = Monitor("bench-overhead", run_name="overhead-nostore", tracking_uri=uri,
+                              spill_dir=str(work / "spill-unused"))
+        mon_nostore.writer.close()
+        mon_nostore.writer = MetricWriter(mon_nostore.run_id, lambda run_id, metrics, tags: None, spill_dir=None)
+        mon_linger = Monitor("bench-overhead", run_name="overhead-linger1s", tracking_uri=uri,
+                             spill_dir=str(work / "spill-unused"))
+        mon_linger.writer.close()
+        mon_linger.writer = MetricWriter(mon_linger.run_id, make_sender(uri), tracking_uri=uri,
+                                         spill_dir=work / "spill-linger", linger_s=1.0)
+
+        def rldiag_step(variant: str, m: Monitor, i: int) -> None:
+            model, opt = models[variant], opts[variant]
+            logits = m.watch(model(ids))
+            loss, lp_new = loss_of(logits)
+            loss.backward()
+            stats = policy_metrics(lp_new.detach(), lp_old, mask, logits=logits.detach(), rewards=rewards,
+                                   lp_trainer_at_rollout=lp_new.detach())
+            if m.step(i, model, loss=loss, metrics=stats):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            opt.zero_grad()
+
+        fns = {
+            "bare": step_bare,
+            "rldiag": lambda i: rldiag_step("rldiag", mon, i),
+            "anomaly": step_anomaly,
+            "rldiag_nostore": lambda i: rldiag_step("rldiag_nostore", mon_nostore, i),
+            "rldiag_linger1s": lambda i: rldiag_step("rldiag_linger1s", mon_linger, i),
+        }
+        monitors = {"rldiag": mon, "rldiag_nostore": mon_nostore, "rldiag_linger1s": mon_linger}
+        counters = dict.fromkeys(fns, 0)
+        for name, fn in fns.items():  # warm-up: allocator, optimizer state, first-call paths
+            for _ in range(args.warmup):
+                fn(counters[name])
+                counters[name] += 1
+        for m in monitors.values():
+            m.writer.flush(60)
+        times: dict[str, list[float]] = {v: [] for v in fns}
+        block_means: dict[str, list[float]] = {v: [] for v in fns}
+        names = list(fns)
+        t_start = time.perf_counter()
+        for b in range(args.blocks * len(names)):
+            name = names[(b + b // len(names)) % len(names)]
+            fn = fns[name]
+            block = []
+            for _ in range(args.block_steps):
+                t0 = time.perf_counter()
+                fn(counters[name])
+                block.append(time.perf_counter() - t0)
+                counters[name] += 1
+            times[name] += block
+            block_means[name].append(statistics.fmean(block))
+            if name in monitors:
+                monitors[name].writer.flush(60)
+        wall = time.perf_counter() - t_start
+        components = _components(models["rldiag_nostore"], ids, loss_of, mon_nostore, policy_metrics, lp_old, mask,
+                                 rewards, uri, mon.run_id)
+        stats = mon.close()
+        mon_nostore.close()
+        mon_linger.close()
+        logged = counters["rldiag"]
+
+    summ = {v: summarize_ms(t) for v, t in times.items()}
+    ratio = summ["rldiag"]["median_ms"] / summ["bare"]["median_ms"]
+    ratio_anom = summ["anomaly"]["median_ms"] / summ["bare"]["median_ms"]
+    ratio_blocks = statistics.median(r / b for r, b in zip(block_means["rldiag"], block_means["bare"]))
+    ratio_nostore = summ["rldiag_nostore"]["median_ms"] / summ["bare"]["median_ms"]
+    ratio_linger = summ["rldiag_linger1s"]["median_ms"] / summ["bare"]["median_ms"]
+    out = {
+        "benchmark": NAME, "quick": args.quick, "env": env_info(), "torch_threads": torch.get_num_threads(),
+        "model": {"vocab": cfg.vocab, "d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+                  "params": sum(p.numel() for p in base.parameters())},
+        "batch": [batch, seq], "blocks": args.blocks, "block_steps": args.block_steps, "wall_s": wall,
+        "step": summ, "ratio_rldiag_over_bare": ratio, "ratio_anomaly_over_bare": ratio_anom,
+        "ratio_rldiag_over_bare_blockmean_median": ratio_blocks,
+        "ratio_rldiag_nostore_over_bare": ratio_nostore,
+        "ratio_rldiag_linger1s_over_bare": ratio_linger,
+        "components_ms": components,
+        "rldiag_writer": {"delivered": stats.delivered, "undelivered": stats.undelivered,
+                          "steps_logged": logged},
+    }
+    print(f"step ms (median / p99 of {summ['bare']['n']} steps each, torch threads {torch.get_num_threads()}):")
+    for v in names:
+        print(f"  {v:<16}{summ[v]['median_ms']:8.2f}{summ[v]['p99_ms']:8.2f}")
+    print(f"rldiag/bare {ratio:.3f}x (median of per-block ratios {ratio_blocks:.3f}x); anomaly/bare {ratio_anom:.2f}x; "
+          f"rldiag without delivery/bare {ratio_nostore:.3f}x; rldiag with 1 s batches/bare {ratio_linger:.3f}x")
+    print("rldiag pieces, median ms per call: " + ", ".join(f"{k} {v:.2f}" for k, v in components.items()))
+    out["summary"] = [summary_row(
+        f"CPU step time (TinyPolicy, 8x128 tokens, {torch.get_num_threads()} torch thread(s))",
+        f"{summ['rldiag']['median_ms']:.1f} ms",
+        f"bare {summ['bare']['median_ms']:.1f} ms; detect_anomaly {summ['anomaly']['median_ms']:.1f} ms "
+        f"({ratio_anom:.2f}x)",
+        f"{ratio:.3f}x bare",
+        f"<= {GOAL}x bare",
+        ratio <= GOAL,
+    )]
+    print(f"wrote {write_result(NAME, out)}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
