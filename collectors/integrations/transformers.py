@@ -1,0 +1,287 @@
+"""rldiag in a transformers `Trainer` or a TRL trainer (`GRPOTrainer`, ...): a `TrainerCallback`.
+
+    trainer = GRPOTrainer(model=..., args=GRPOConfig(...), ...)
+    RldiagCallback(experiment="grpo", run_name="v1", policy="skip").attach(trainer)
+    trainer.train()
+
+Each optimizer step (the logic lives in the core: `AccumulatedGradCheck`, `RunSession`):
+- per-parameter gradient norms are recorded as gradients accumulate, i.e. before `Trainer` clips
+  (clipping a NaN total norm makes every gradient NaN), and judged in `on_pre_optimizer_step` with one
+  host transfer: the same alert and warn/skip/raise policy as `Monitor`;
+- `skip` zeroes the gradients and turns the coming `optimizer.step()` into a no-op for that one call
+  (transformers 5.19 calls `self.optimizer.step()` right after `on_pre_optimizer_step` and has no
+  flag to skip it). The step still counts: `global_step` and the LR schedule advance;
+- `grad/norm` (pre-clip), `grad/finite`, `grad/nonfinite_params` are logged every step, and once
+  `attach`ed the real loss as `loss`: the sum of what `training_step` returned over the step's
+  micro-batches, i.e. what `Trainer` would log with `logging_steps=1` were it not for
+  `logging_nan_inf_filter`, which replaces a NaN/inf loss by the running average. The trainer's own
+  logged value is kept as `trainer/loss`;
+- everything the trainer logs is forwarded at `state.global_step` under its own name and also under
+  the canonical key of each alias in `keys.ALIASES` (`kl`, `entropy`, `reward`, ...).
+At train begin the arguments that make runs comparable become `trainer.*` params (batch size,
+accumulation, learning rate, clipping, seed, TRL loss settings; a whitelist, so never tokens or paths).
+
+Single process only for now: with `world_size > 1` it forwards logs and params from rank 0 and leaves
+gradients alone (the ranks must agree on the finite flag first). DeepSpeed/FSDP keep gradients out of
+`.grad`; there the check finds nothing to read and says so once.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from collectors import keys
+from collectors.gradcheck import AccumulatedGradCheck
+from collectors.import_utils import require
+from collectors.session import POLICIES, NonFiniteGradientError, RunSession
+
+require("transformers", "hf", purpose="rldiag's transformers/TRL callback")
+
+from transformers import TrainerCallback  # noqa: E402
+
+log = logging.getLogger("rldiag")
+
+__all__ = ["LOGGED_LOSS", "RldiagCallback", "trainer_params"]
+
+# Where a trainer log goes when the callback writes that key itself: the trainer's own (NaN-filtered,
+# window-averaged) `loss` becomes `trainer/loss` once the real per-step loss owns `loss`.
+TRAINER_PREFIX = "trainer/"
+LOGGED_LOSS = TRAINER_PREFIX + keys.LOSS
+PARAM_PREFIX = "trainer"
+
+# TrainingArguments / TRL config fields that change results; read when present. Whitelisted, so no
+# token, path or hub setting can leak into the params.
+COMPARED_ARGS: tuple[str, ...] = (
+    # transformers
+    "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "max_grad_norm", "seed",
+    "data_seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "lr_scheduler_type",
+    "warmup_steps", "max_steps", "num_train_epochs", "bf16", "fp16", "tf32", "gradient_checkpointing",
+    "average_tokens_across_devices", "logging_nan_inf_filter",
+    # TRL loss and sampling settings (GRPO/RLOO/DPO/distillation)
+    "loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards",
+    "num_generations", "num_iterations", "steps_per_generation", "generation_batch_size",
+    "max_prompt_length", "max_completion_length", "max_length", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "mask_truncated_completions", "top_entropy_quantile", "reward_weights",
+    "use_vllm", "vllm_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_cap", "lmbda", "alpha", "label_smoothing", "sync_ref_model",
+)
+
+_SESSION_OPTIONS = frozenset(inspect.signature(RunSession.__init__).parameters) - {"self", "experiment"}
+
+
+def trainer_params(args: Any) -> dict[str, Any]:
+    """`{name: value}` of the `COMPARED_ARGS` that `args` has, plus the effective batch and versions."""
+    out: dict[str, Any] = {"args_class": type(args).__name__}
+    for name in COMPARED_ARGS:
+        if hasattr(args, name):
+            v = getattr(args, name)
+            out[name] = v.value if isinstance(v, enum.Enum) else v
+    world = getattr(args, "world_size", 1)
+    out["world_size"] = world
+    out["effective_batch_size"] = (
+        getattr(args, "per_device_train_batch_size", 1) * getattr(args, "gradient_accumulation_steps", 1) * world
+    )
+    import transformers
+
+    out["version.transformers"] = transformers.__version__
+    if "trl" in sys.modules:  # a TRL trainer imported it; importing it here would cost seconds
+        out["version.trl"] = getattr(sys.modules["trl"], "__version__", "")
+    return out
+
+
+class RldiagCallback(TrainerCallback):
+    """Non-finite gradient alerts and policy, trainer logs under canonical keys, run params.
+
+    Pass an open `session`, or `RunSession`'s keyword options (experiment, run_name, tags, params,
+    tracking_uri, policy, ...) and the callback opens the run at train begin and ends it at train end.
+    Call `attach(trainer)` (or pass it in `callbacks=[...]` and still call `attach` for the real loss).
+    """
+
+    def __init__(self, session: RunSession | None = None, *, experiment: str = "rldiag", **options: Any):
+        unknown = set(options) - _SESSION_OPTIONS
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; RunSession takes {sorted(_SESSION_OPTIONS)}")
+        if session is not None and options:
+            raise TypeError(f"pass either session= or RunSession options, not both (got {sorted(options)})")
+        policy = options.get("policy", "warn")
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} is not one of {POLICIES}; e.g. policy='skip'")
+        self.session = session
+        self._owns_session = session is None
+        self._experiment = experiment
+        self._options = options
+        self._check: AccumulatedGradCheck | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._attached = False
+        self._restore_step = None
+        self._warned_no_grads = False
+
+    # ---- wiring --------------------------------------------------------------------------------
+    def attach(self, trainer: Any) -> RldiagCallback:
+        """Add this callback to `trainer` (once), record the real per-step loss from its
+        `training_step` (the value `logging_nan_inf_filter` would hide), and end the run as FAILED
+        when `train()` raises. Returns self."""
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        if not self._attached:
+            step_fn = trainer.training_step
+
+            def training_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+                loss = step_fn(*args, **kwargs)
+                if isinstance(loss, torch.Tensor):
+                    d = loss.detach()
+                    self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+                return loss
+
+            trainer.training_step = training_step
+            train_fn = trainer.train
+
+            def train(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return train_fn(*args, **kwargs)
+                except BaseException:  # an error or Ctrl-C mid-run: end the run as FAILED, take the hooks off
+                    self._finish("FAILED")
+                    raise
+
+            trainer.train = train
+            self._attached = True
+        return self
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        params = trainer_params(args)
+        if state.is_world_process_zero:
+            self._open(params, args)
+        self._loss_sum = None
+        if args.world_size > 1:
+            log.warning("rldiag: %d processes: forwarding logs from rank 0 only; the non-finite gradient "
+                        "check and policy run in single-process training for now", args.world_size)
+            return
+        if not self._attached:
+            log.warning("rldiag: RldiagCallback is not attached: `%s` will hold the trainer's logged loss, "
+                        "which logging_nan_inf_filter cleans of NaN/inf; call .attach(trainer)", keys.LOSS)
+        if model is not None:
+            self._check = AccumulatedGradCheck(model.named_parameters())
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        loss, self._loss_sum = self._loss_sum, None
+        if self._check is None or self.session is None:
+            return
+        report, extra = self._check.collect(*([loss] if loss is not None else []))
+        step = state.global_step + 1  # the step this update becomes; on_log reports it under the same number
+        values = {keys.LOSS: extra[0]} if extra else {}
+        if report is None:
+            if not self._warned_no_grads:
+                self._warned_no_grads = True
+                log.warning("rldiag: step %d: no gradient reached .grad (DeepSpeed/FSDP?); the check is off", step)
+        else:
+            values.update(report.metrics())
+        self.session.writer.log_metrics(values, step)
+        if report is None or report.finite:
+            return
+        try:
+            step_anyway = self.session.on_nonfinite(step, report)
+        except NonFiniteGradientError:
+            self._finish("FAILED")
+            raise
+        if not step_anyway:  # policy "skip"
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            self._restore_step = _skip_next_step(optimizer)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._restore_step is not None:  # skip_next_step restores on its own call; be sure
+            self._restore_step()
+            self._restore_step = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.session is None or not logs:
+            return
+        self.session.writer.log_metrics(self._mapped(logs), state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._finish("FINISHED")
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _open(self, params: dict[str, Any], args: Any) -> None:
+        if self.session is None:
+            options = dict(self._options)
+            options["params"] = {**(options.get("params") or {}), PARAM_PREFIX: params}
+            options["tags"] = {keys.TAG_SEED: getattr(args, "seed", ""), **(options.get("tags") or {})}
+            self.session = RunSession(self._experiment, **options)
+            self._owns_session = True
+            return
+        from mlflow.entities import Param
+
+        from collectors.mlflow_store import flatten_params
+
+        items = [Param(k, v) for k, v in flatten_params({PARAM_PREFIX: params}).items()]
+        try:
+            self.session.client.log_batch(self.session.run_id, params=items)
+        except Exception as e:  # noqa: BLE001 - a param logged earlier with another value; not worth a crash
+            log.warning("rldiag: could not log the trainer params on run %s (%s: %s)",
+                        self.session.run_id, type(e).__name__, e)
+
+    def _mapped(self, logs: Mapping[str, Any]) -> dict[str, float]:
+        """The trainer's numbers under their own names plus the canonical key of each alias, except
+        where the callback writes that key itself every step (`grad/norm`, and `loss` once attached).
+        A trainer key that collides with one of those moves under `trainer/`: `loss` -> `LOGGED_LOSS`."""
+        owned = set()
+        if self._check is not None:
+            owned.add(keys.GRAD_NORM)
+        if self._attached:
+            owned.add(keys.LOSS)
+        out: dict[str, float] = {}
+        for k, v in logs.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue  # TRL logs None for metrics it could not compute; strings are not metrics
+            out[TRAINER_PREFIX + k if k in owned else k] = v
+            canonical = keys.ALIASES.get(k)
+            if canonical is not None and canonical not in owned and canonical not in logs:
+                out[canonical] = v
+        return out
+
+    def _finish(self, status: str) -> None:
+        if self._restore_step is not None:
+            self._restore_step()
+            self._restore_step = None
+        if self._check is not None:
+            self._check.remove()
+            self._check = None
+        if self.session is not None and self._owns_session:
+            self.session.close(status)
+            self.session = None
+
+
+def _skip_next_step(optimizer: Any):
+    """Make the next `optimizer.step()` a no-op, once; returns a function that undoes it.
+
+    The replacement is an instance attribute, so whatever `step` the instance had (an accelerate or
+    LR-scheduler wrapper) comes back exactly as it was.
+    """
+    had_own = "step" in vars(optimizer)
+    own = vars(optimizer).get("step")
+
+    def restore() -> None:
+        if vars(optimizer).get("step") is not skipped:
+            return
+        if had_own:
+            optimizer.step = own
+        else:
+            del optimizer.step
+
+    def skipped(*args: Any, **kwargs: Any) -> None:
+        restore()
+        if getattr(own, "_wrapped_by_lr_sched", False):
+            optimizer._opt_called = True  # what torch's LR-scheduler wrapper records; else it warns of a wrong order
+
+    optimizer.step = skipped
+    return restore
