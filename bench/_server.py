@@ -1,6 +1,6 @@
 """A real `mlflow server --workers 1` on 127.0.0.1 over a SQLite file, which can be killed and restarted.
 
-The same idea as `tests/conftest.py::MlflowServer`, kept here so that benchmarks do not import pytest.
+Shared by the benchmarks and the tests (`tests/conftest.py` imports it); it does not import pytest.
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ class MlflowServer:
                 time.sleep(0.2)
         self.kill()
         raise RuntimeError(f"mlflow server did not answer /health within {timeout}s; see {self.root / 'server.log'}")
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the server's process group (SIGSTOP/SIGCONT freeze and thaw it)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, sig)
 
     def kill(self) -> None:
         """SIGKILL the server's whole process group (the server and its worker)."""
