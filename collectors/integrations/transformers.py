@@ -167,6 +167,8 @@ class RldiagCallback(TrainerCallback):
         if not self._attached:
             log.warning("rldiag: RldiagCallback is not attached: `%s` will hold the trainer's logged loss, "
                         "which logging_nan_inf_filter cleans of NaN/inf; call .attach(trainer)", keys.LOSS)
+        if self._check is not None:  # a previous train() that raised without attach()
+            self._check.remove()
         if model is not None:
             self._check = AccumulatedGradCheck(model.named_parameters())
 
@@ -237,8 +239,8 @@ class RldiagCallback(TrainerCallback):
         owned = set()
         if self._check is not None:
             owned.add(keys.GRAD_NORM)
-        if self._attached:
-            owned.add(keys.LOSS)
+            if self._attached:
+                owned.add(keys.LOSS)
         out: dict[str, float] = {}
         for k, v in logs.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
