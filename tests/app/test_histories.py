@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,22 +196,11 @@ def test_trl_grpo_report_to_mlflow_shows_canonical_keys(store_uri, tmp_path):
     """TRL's GRPOTrainer on a tiny random model with transformers' own MLflow integration."""
     pytest.importorskip("trl")
     script = textwrap.dedent("""
-        import json, sys, torch
+        import json
         from datasets import Dataset
-        from tokenizers import Tokenizer, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
         from trl import GRPOConfig, GRPOTrainer
-        V = 64
-        words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(V - 3)]
-        wl = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-        wl.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok = PreTrainedTokenizerFast(tokenizer_object=wl, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-        torch.manual_seed(0)
-        cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                          pad_token_id=0, bos_token_id=1, eos_token_id=1)
-        Qwen2ForCausalLM(cfg).save_pretrained("tiny")
-        tok.save_pretrained("tiny")
+        from tests.tiny_hf import save_tiny_qwen2
+        tok = save_tiny_qwen2("tiny")
         args = GRPOConfig(output_dir="out", per_device_train_batch_size=4, num_generations=4,
                           max_completion_length=4, max_steps=3, logging_steps=1, report_to="mlflow",
                           use_vllm=False, beta=0.1, save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
@@ -222,7 +212,7 @@ def test_trl_grpo_report_to_mlflow_shows_canonical_keys(store_uri, tmp_path):
         print("LOGS=" + json.dumps([h for h in trainer.state.log_history if "reward" in h]))
     """)
     env = {**os.environ, "MLFLOW_TRACKING_URI": store_uri, "MLFLOW_EXPERIMENT_NAME": "trl-grpo",
-           "MLFLOW_DISABLE_TELEMETRY": "true"}
+           "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

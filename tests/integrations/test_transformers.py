@@ -372,21 +372,12 @@ def test_real_loss_is_recorded_where_the_nan_filter_hides_it(uri, tmp_path):
 def test_grpo_metrics_under_trl_names_and_canonical_keys(uri, tmp_path):
     pytest.importorskip("trl")
     from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(V - 3)]
-    wl = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    wl.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=wl, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    from tests.tiny_hf import save_tiny_qwen2
+
     model_dir = tmp_path / "tiny-qwen2"  # beta > 0 loads the reference model from a path
-    Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    tok = save_tiny_qwen2(model_dir, vocab=V)
 
     def reward_len(completions, **kw):
         return [float(len(c)) for c in completions]
