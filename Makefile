@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 export MLFLOW_DISABLE_TELEMETRY := true
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test bench clean help
+.PHONY: install sysdeps demo test bench clean help
 
 help:
 	@echo "make demo   set up .venv and run the example RL loop into ./mlruns.db"
@@ -28,12 +28,24 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import torch, mlflow, collectors; assert torch.__version__.startswith('2.13'), torch.__version__"
 	touch $(STAMP)
 
-install: $(STAMP)
+# Debian packages that the browser tests (chromium) and the team-server tests (postgresql) need.
+# CI runs as root; elsewhere run `sudo make sysdeps` once. The tests fail (never skip) without them.
+DEBS := chromium postgresql
+sysdeps:
+	@missing=$$(for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages: $$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "missing Debian packages: $$missing -- run: sudo make sysdeps"; fi; \
+	fi
 
-demo: $(STAMP)
+install: $(STAMP) sysdeps
+
+demo: install
 	$(VENV)/bin/rldiag demo
 
-test: $(STAMP)
+test: install
 	$(PY) -m pytest
 
 bench: $(STAMP)

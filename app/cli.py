@@ -15,19 +15,31 @@ mlruns.db in the current directory. Examples:
   rldiag demo                          run the example RL loop into ./mlruns.db
   rldiag demo --nan-at 30              ...with a NaN gradient injected at step 30
   rldiag sync .rldiag/spill/RUN.jsonl  replay metrics a run could not deliver
+  rldiag COMMAND --help                options of one command
 """
+
+# Commands implemented in their own modules, imported only when that command runs (so `rldiag --help`
+# stays instant). Each module has `add_arguments(parser)` and `run(args) -> int`; it raises
+# `app.cli.CliError` (or ValueError) for bad input, which prints as one line with exit status 2.
+MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    # name: (module, one-line help)
+    "experiment": ("experiments.cli", "run a reproduction (masked-vs-unmasked, engine-parity) into the store"),
+    "watch": ("app.watch", "alert on non-finite gradients in active MLflow runs (any logger)"),
+    "report": ("app.report", "write a run-comparison report: self-contained HTML and a Markdown summary"),
+}
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
-def _add_tracking(p: argparse.ArgumentParser) -> None:
+def add_tracking_option(p: argparse.ArgumentParser) -> None:
+    """`--tracking-uri`, as every command spells it (None: $MLFLOW_TRACKING_URI, else the embedded default)."""
     p.add_argument("--tracking-uri", default=None, metavar="URI",
                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db here)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rldiag",
         description="Diagnostics for LLM RL training runs on MLflow: per-step policy metrics, "
@@ -46,15 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="what to do on non-finite gradients (default: skip)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--experiment", default="rldiag-demo", help="MLflow experiment (default: rldiag-demo)")
-    _add_tracking(demo)
+    add_tracking_option(demo)
 
     sync = sub.add_parser("sync", help="replay a writer journal (metrics not yet delivered) into the store",
                           description="Deliver the batches of an rldiag journal that the store never acknowledged. "
                                       "Safe to run twice: SQL stores keep identical points once.")
     sync.add_argument("files", nargs="+", metavar="FILE", help="journal files, e.g. .rldiag/spill/<run_id>.jsonl")
     sync.add_argument("--timeout", type=float, default=120.0, help="seconds to keep trying per file (default: 120)")
-    _add_tracking(sync)
+    add_tracking_option(sync)
+
+    wanted = _command_in(argv)
+    for name, (module, help_) in MODULE_COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == wanted:  # only the command that runs imports its module
+            import importlib
+
+            importlib.import_module(module).add_arguments(p)
     return parser
+
+
+def _command_in(argv: list[str] | None) -> str | None:
+    args = sys.argv[1:] if argv is None else argv
+    return next((a for a in args if not a.startswith("-")), None)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -96,12 +122,16 @@ COMMANDS = {"demo": cmd_demo, "sync": cmd_sync}
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
     try:
+        if args.command in MODULE_COMMANDS:
+            import importlib
+
+            return importlib.import_module(MODULE_COMMANDS[args.command][0]).run(args)
         return COMMANDS[args.command](args)
     except CliError as e:
         print(f"rldiag {args.command}: error: {e}", file=sys.stderr)
