@@ -21,7 +21,8 @@ from pathlib import Path
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY for the children too
 from bench._common import RESULTS
 
-BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "load_histories", "callback_overhead")
+BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "load_histories", "callback_overhead",
+              "divergence_quality")
 COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 
 

@@ -1,7 +1,7 @@
 """Divergence on synthetic runs with a known truth: seeds alone never fire, a real onset fires at once.
 
-The generator: a saturating trend, per-seed slow wander (AR(1), rho 0.995) and per-step noise
-(Gaussian, or Student-t with 5 degrees of freedom for heavy tails), noise sd 1.
+The generator (`bench.divergence_data`, which the divergence-quality benchmark uses too): a saturating
+trend, per-seed slow wander and per-step noise of sd 1.
 """
 
 from __future__ import annotations
@@ -12,34 +12,9 @@ import pytest
 
 from app.divergence import DivergenceConfig, compute_band, detect_divergence, divergence_table
 from app.histories import load_histories
-from app.trace import Trace
+from bench.divergence_data import ONSET, T, refs, seed_run, trace
 from collectors import keys
 from tests.app.conftest import write_run
-
-T, ONSET = 1000, 500
-
-
-def seed_run(seed: int, *, wander: float = 0.3, heavy: bool = False, n: int = T) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(n)
-    noise = rng.standard_t(5, n) / np.sqrt(5 / 3) if heavy else rng.normal(0, 1, n)
-    slow = np.zeros(n)
-    if wander:
-        rho = 0.995
-        kicks = rng.normal(0, wander * np.sqrt(1 - rho**2), n)
-        slow[0] = rng.normal(0, wander)
-        for i in range(1, n):
-            slow[i] = rho * slow[i - 1] + kicks[i]
-    return 5 + 3 * (1 - np.exp(-t / 300)) + slow + noise
-
-
-def trace(values: np.ndarray, run: str = "run", steps: np.ndarray | None = None) -> Trace:
-    steps = np.arange(len(values), dtype=np.int64) if steps is None else steps
-    return Trace(run, "m", "m", steps, np.asarray(values, float), np.zeros(len(values), np.int64))
-
-
-def refs(seed: int, n_seeds: int, **kw) -> list[Trace]:
-    return [trace(seed_run(1000 * seed + i, **kw), f"ref{i}") for i in range(n_seeds)]
 
 
 @pytest.mark.parametrize("n_seeds, heavy", [(1, False), (3, False), (4, True)])
