@@ -15,7 +15,9 @@ written as JSON's `NaN` / `Infinity` tokens, which Python's json reads back.
 from __future__ import annotations
 
 import json
+import errno
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,8 @@ def read_journal(path: str | os.PathLike) -> JournalContents:
     acked: set[int] = set()
     corrupt = 0
     max_seq = -1
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a device or FIFO would read forever (/dev/zero, /dev/full)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file, so not a journal")
     with open(path, "rb") as f:
         for raw in f:
             try:

@@ -118,6 +118,23 @@ def _probe_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
         ) from None
 
 
+def _experiment_id(client, name: str) -> str:
+    """The id of experiment `name`, created if missing. Two jobs starting at once may both try to create
+    it; the one that loses the race reads the winner's."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
 def open_run(
     tracking_uri: str,
     *,
@@ -138,8 +155,7 @@ def open_run(
             run = client.get_run(run_id)
             client.update_run(run_id, status="RUNNING")
         else:
-            exp = client.get_experiment_by_name(experiment)
-            exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+            exp_id = _experiment_id(client, experiment)
             all_tags = {str(k): str(v) for k, v in (tags or {}).items()}
             run = client.create_run(exp_id, run_name=run_name, tags=all_tags)
         flat = flatten_params(params or {})

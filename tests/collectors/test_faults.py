@@ -1,0 +1,126 @@
+"""Faults and bad input that a long training job meets: each gets a clear answer and nothing logged is lost.
+
+(The server killed/frozen, SIGKILLed training and torn journals are in test_writer.py; bad metric
+values and keys too. Here: a full disk, steps out of order, oversize params, unicode and HTML names,
+and several processes on one SQLite file.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from app.errors import ExperimentNotFound, NoRunsFound
+from app.histories import load_histories
+from app.runs import find_runs
+from collectors import Monitor
+from collectors.journal import journal_path
+from collectors.mlflow_store import MAX_PARAM_CHARS, make_sender, open_run
+from collectors.writer import MetricWriter
+
+
+def _new_run(uri: str, name: str = "faults") -> str:
+    return open_run(uri, experiment="faults", run_name=name)[1].info.run_id
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to stand for a full disk")
+def test_full_disk_for_the_journal_is_one_clear_warning_and_metrics_still_arrive(sqlite_uri, tmp_path, caplog):
+    run_id = _new_run(sqlite_uri)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    journal_path(spill, run_id).symlink_to("/dev/full")  # every write: ENOSPC, as on a full disk
+    with caplog.at_level(logging.WARNING, logger="rldiag.writer"):
+        w = MetricWriter(run_id, make_sender(sqlite_uri), tracking_uri=sqlite_uri, spill_dir=spill)
+        for step in range(50):
+            w.log_metrics({"loss": float(step)}, step)
+        stats = w.close(timeout=60)
+    assert stats.journal_errors >= 1 and stats.undelivered == 0
+    assert "cannot write the local journal" in caplog.text and "No space left" in caplog.text
+    assert caplog.text.count("cannot write the local journal") == 1  # said once, not per batch
+    hist = MlflowClient(sqlite_uri).get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in hist) == list(range(50))
+
+
+def test_steps_out_of_order_and_repeated_read_back_once_per_step(sqlite_uri):
+    run_id = _new_run(sqlite_uri)
+    w = MetricWriter(run_id, make_sender(sqlite_uri), tracking_uri=sqlite_uri, spill_dir=None)
+    # 5, 3, then 3 again with a later timestamp (a resumed run re-logging it), 4, and 0 last
+    for step, value, ts in [(5, 5.0, 1005), (3, 3.0, 1003), (3, 33.0, 2003), (4, 4.0, 1004), (0, 0.0, 1000)]:
+        w.log_metrics({"loss": value}, step, timestamp_ms=ts)
+    assert w.close(timeout=60).undelivered == 0
+    assert len(MlflowClient(sqlite_uri).get_metric_history(run_id, "loss")) == 5  # the store keeps every row
+    t = load_histories(sqlite_uri, [run_id], ["loss"]).get(run_id, "loss")
+    assert t.steps.tolist() == [0, 3, 4, 5]  # ascending, one point per step
+    assert t.values.tolist() == [0.0, 33.0, 4.0, 5.0]  # the repeated step shows its latest value
+
+
+def test_oversize_params_unicode_and_html_names_are_kept_as_text(sqlite_uri, caplog):
+    name = "α/β 学习 🚀 <img src=x onerror=alert(1)>"
+    long = "x" * (MAX_PARAM_CHARS + 500)
+    with caplog.at_level(logging.WARNING):
+        with Monitor("faults ✓", run_name=name, tracking_uri=sqlite_uri, tags={"note": "<b>bold</b>"},
+                     params={"prompt": long, "ok": 1}) as mon:
+            mon.log({"loss": 1.0}, 0)
+            run_id = mon.run_id
+    run = MlflowClient(sqlite_uri).get_run(run_id)
+    assert run.info.run_name == name and run.data.tags["note"] == "<b>bold</b>"
+    assert len(run.data.params["prompt"]) == MAX_PARAM_CHARS and run.data.params["ok"] == "1"
+    assert "prompt" in caplog.text  # the warning names the param that was cut
+    runs = find_runs(sqlite_uri, experiments="faults ✓")
+    assert runs["name"].tolist() == [name]
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from collectors.mlflow_store import make_sender, open_run
+    from collectors.writer import MetricWriter
+    uri, name, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    _, run = open_run(uri, experiment="shared-file", run_name=name)
+    w = MetricWriter(run.info.run_id, make_sender(uri), tracking_uri=uri, spill_dir=None)
+    for s in range(steps):
+        w.log_metrics({f"m{i}": float(s + i) for i in range(8)}, s)
+    st = w.close(timeout=120)
+    print(run.info.run_id, st.delivered, st.undelivered)
+""")
+
+
+@pytest.mark.slow
+def test_two_writer_processes_and_a_reader_on_one_sqlite_file(sqlite_uri, tmp_path):
+    MlflowClient(sqlite_uri).search_experiments()  # migrate once, before the processes race to
+    steps = 600
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, sqlite_uri, f"w{i}", str(steps)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    reads, errors, h = 0, [], None
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        try:  # the dashboard's reads, as often as it can, while both write
+            runs = find_runs(sqlite_uri, experiments="shared-file")
+            if len(runs):
+                h = load_histories(sqlite_uri, runs["run_id"].tolist(), ["m0", "m7"], previous=h)
+            reads += 1
+        except (ExperimentNotFound, NoRunsFound):
+            pass  # the writers have not created it yet
+        except Exception as e:  # noqa: BLE001 - any other error here is what the test looks for
+            errors.append(f"{type(e).__name__}: {e}")
+        time.sleep(0.05)
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "locked" not in err.lower(), err
+    assert errors == [] and reads > 5
+    ids = [out.split()[0] for out, _ in outs]
+    assert [out.split()[1:] for out, _ in outs] == [[str(steps * 8), "0"]] * 2  # delivered, undelivered
+    final = load_histories(sqlite_uri, ids, ["m0", "m7"])
+    for rid in ids:
+        assert final.get(rid, "m7").steps.tolist() == list(range(steps))
+        np.testing.assert_array_equal(final.get(rid, "m7").values, np.arange(steps) + 7.0)
