@@ -1,5 +1,8 @@
 """A real `mlflow server --workers 1` on 127.0.0.1 over a SQLite file, which can be killed and restarted.
 
+`MlflowServer(root, backend_store_uri=..., serve_artifacts=True)` puts it over another store (the
+PostgreSQL tests) and proxies artifacts (`--serve-artifacts --artifacts-destination root/artifacts`).
+
 Shared by the benchmarks and the tests (`tests/conftest.py` imports it); it does not import pytest.
 """
 
@@ -22,10 +25,13 @@ def free_port() -> int:
 
 
 class MlflowServer:
-    def __init__(self, root: Path, port: int | None = None):
+    def __init__(self, root: Path, port: int | None = None, *, backend_store_uri: str | None = None,
+                 serve_artifacts: bool = False):
         self.root = root
         self.port = port or free_port()
         self.db = root / "server.db"
+        self.backend_store_uri = backend_store_uri or f"sqlite:///{self.db}"
+        self.serve_artifacts = serve_artifacts  # clients upload through the server, as a team's would
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -37,9 +43,12 @@ class MlflowServer:
         t0 = time.monotonic()
         cmd = [
             sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-            "--workers", "1", "--backend-store-uri", f"sqlite:///{self.db}",
-            "--default-artifact-root", str(self.root / "artifacts"),
+            "--workers", "1", "--backend-store-uri", self.backend_store_uri,
         ]
+        if self.serve_artifacts:
+            cmd += ["--serve-artifacts", "--artifacts-destination", str(self.root / "artifacts")]
+        else:
+            cmd += ["--default-artifact-root", str(self.root / "artifacts")]
         log = open(self.root / "server.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
