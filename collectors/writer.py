@@ -58,7 +58,7 @@ def clean_key(key: str) -> str:
 @dataclass
 class WriterStats:
     enqueued: int = 0  # points accepted from the caller (inf flags not counted)
-    delivered: int = 0  # points the store acknowledged (inf flags included)
+    delivered: int = 0  # metric points and tags the store acknowledged (inf flags and alert tags included)
     rejected: int = 0  # values that are not numbers (None, str, ...): warned about, not written
     replayed: int = 0  # points delivered from an earlier journal of the same run
     undelivered: int = 0  # set by close(): points still only in the journal
@@ -333,8 +333,13 @@ class MetricWriter:
                 if self.journal is not None:
                     try:
                         self.journal.ack([b.seq for b in group])
-                    except (OSError, ValueError) as e:  # ValueError: journal closed by close()
-                        self._journal_failed(OSError(str(e)))
+                    except ValueError:
+                        # close() gave up waiting and closed the journal while this batch was in flight:
+                        # it stays there unacknowledged, so a replay sends it again and the SQL stores
+                        # keep one copy of an identical point. Nothing is lost: no warning.
+                        pass
+                    except OSError as e:
+                        self._journal_failed(e)
                 break
 
     def _take_group(self) -> list[Batch] | _Flush:
