@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 .PHONY: install sysdeps demo test bench clean help
 
 help:
-	@echo "make demo   set up .venv and run the example RL loop into ./mlruns.db"
+	@echo "make demo   set up .venv, run both reproductions into ./mlruns.db, open the dashboard on them"
 	@echo "make test   set up .venv and run the whole test suite"
 	@echo "make bench  run the benchmarks in bench/ (minutes)"
 
@@ -42,8 +42,13 @@ sysdeps:
 
 install: $(STAMP) sysdeps
 
+# Both reproductions into ./mlruns.db (about 10 minutes on 2 cores), then the dashboard on them
+# (Ctrl-C stops it; DEMO_APP=0 skips it, e.g. on a machine without a browser).
+DEMO_APP ?= 1
 demo: install
-	$(VENV)/bin/rldiag demo
+	$(VENV)/bin/rldiag experiment masked-vs-unmasked
+	$(VENV)/bin/rldiag experiment engine-parity
+	@if [ "$(DEMO_APP)" = 1 ]; then $(VENV)/bin/rldiag app; fi
 
 test: install
 	$(PY) -m pytest

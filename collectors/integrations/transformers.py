@@ -21,9 +21,12 @@ Each optimizer step (the logic lives in the core: `AccumulatedGradCheck`, `RunSe
 At train begin the arguments that make runs comparable become `trainer.*` params (batch size,
 accumulation, learning rate, clipping, seed, TRL loss settings; a whitelist, so never tokens or paths).
 
-Single process only for now: with `world_size > 1` it forwards logs and params from rank 0 and leaves
-gradients alone (the ranks must agree on the finite flag first). DeepSpeed/FSDP keep gradients out of
-`.grad`; there the check finds nothing to read and says so once.
+Under torch.distributed (DDP, `world_size > 1`) every rank runs the check and the ranks agree on the
+flag with one all-reduce per step; on a non-finite step the parameter names of every rank are gathered
+(`rank<r>:name`), rank 0 alerts and writes, and every rank applies the same policy, so no rank steps
+while another skips. (DDP averages gradients across ranks, so a NaN on one rank usually reaches every
+rank's copy: the names then come from every rank.) DeepSpeed/FSDP keep gradients out of `.grad`; there
+the check finds nothing to read and says so once.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from typing import Any
 
 import torch
 
-from collectors import keys
-from collectors.gradcheck import AccumulatedGradCheck
+from collectors import distributed, keys
+from collectors.alerts import NonFiniteGradAlert
+from collectors.gradcheck import AccumulatedGradCheck, GradReport
 from collectors.import_utils import require
 from collectors.session import POLICIES, NonFiniteGradientError, RunSession
 
@@ -122,6 +126,9 @@ class RldiagCallback(TrainerCallback):
         self._attached = False
         self._restore_step = None
         self._warned_no_grads = False
+        self._policy = policy if session is None else session.policy
+        self._distributed = False
+        self._device: torch.device | None = None
 
     # ---- wiring --------------------------------------------------------------------------------
     def attach(self, trainer: Any) -> RldiagCallback:
@@ -160,10 +167,7 @@ class RldiagCallback(TrainerCallback):
         if state.is_world_process_zero:
             self._open(params, args)
         self._loss_sum = None
-        if args.world_size > 1:
-            log.warning("rldiag: %d processes: forwarding logs from rank 0 only; the non-finite gradient "
-                        "check and policy run in single-process training for now", args.world_size)
-            return
+        self._distributed = args.world_size > 1 and distributed.active()
         if not self._attached:
             log.warning("rldiag: RldiagCallback is not attached: `%s` will hold the trainer's logged loss, "
                         "which logging_nan_inf_filter cleans of NaN/inf; call .attach(trainer)", keys.LOSS)
@@ -171,28 +175,39 @@ class RldiagCallback(TrainerCallback):
             self._check.remove()
         if model is not None:
             self._check = AccumulatedGradCheck(model.named_parameters())
+            self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         loss, self._loss_sum = self._loss_sum, None
-        if self._check is None or self.session is None:
+        if self._check is None:
             return
         report, extra = self._check.collect(*([loss] if loss is not None else []))
         step = state.global_step + 1  # the step this update becomes; on_log reports it under the same number
-        values = {keys.LOSS: extra[0]} if extra else {}
-        if report is None:
-            if not self._warned_no_grads:
-                self._warned_no_grads = True
-                log.warning("rldiag: step %d: no gradient reached .grad (DeepSpeed/FSDP?); the check is off", step)
-        else:
-            values.update(report.metrics())
-        self.session.writer.log_metrics(values, step)
+        if self._distributed:  # every rank, every step: the collectives must match up
+            report = self._agree(report)
+        if self.session is not None:  # rank 0
+            values = {keys.LOSS: extra[0]} if extra else {}
+            if report is None:
+                if not self._warned_no_grads:
+                    self._warned_no_grads = True
+                    log.warning("rldiag: step %d: no gradient reached .grad (DeepSpeed/FSDP?); the check is off",
+                                step)
+            else:
+                values.update(report.metrics())
+            self.session.writer.log_metrics(values, step)
         if report is None or report.finite:
             return
-        try:
-            step_anyway = self.session.on_nonfinite(step, report)
-        except NonFiniteGradientError:
+        if self.session is not None:
+            try:
+                step_anyway = self.session.on_nonfinite(step, report)
+            except NonFiniteGradientError:
+                self._finish("FAILED")
+                raise
+        elif self._policy == "raise":  # the other ranks stop with rank 0
             self._finish("FAILED")
-            raise
+            raise NonFiniteGradientError(NonFiniteGradAlert("", step, report.norm, report.nonfinite_params))
+        else:
+            step_anyway = self._policy == "warn"
         if not step_anyway:  # policy "skip"
             for p in model.parameters():
                 if p.grad is not None:
@@ -213,6 +228,21 @@ class RldiagCallback(TrainerCallback):
         self._finish("FINISHED")
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _agree(self, report: GradReport | None) -> GradReport | None:
+        """One all-reduce of the local non-finite flag; on a non-finite step, every rank's names."""
+        import torch.distributed as dist
+
+        bad = report is not None and not report.finite
+        flag = torch.tensor([1.0 if bad else 0.0], device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0.0:
+            return report
+        names, positions, _ = distributed.gather_failure(report.nonfinite_params if bad else [],
+                                                         report.positions if bad else [])
+        norm = report.norm if report is not None else float("nan")
+        return GradReport(norm=norm if bad else float("nan"), finite=False, nonfinite_params=names,
+                          positions=positions, nonfinite_positions=len(positions))
+
     def _open(self, params: dict[str, Any], args: Any) -> None:
         if self.session is None:
             options = dict(self._options)
