@@ -5,6 +5,8 @@
     trainer.train()
 
 Each optimizer step (the logic lives in the core: `AccumulatedGradCheck`, `RunSession`):
+- a forward hook watches the model's output logits, so an alert names the samples and token
+  positions (per micro-batch) whose logits got non-finite gradients;
 - per-parameter gradient norms are recorded as gradients accumulate, i.e. before `Trainer` clips
   (clipping a NaN total norm makes every gradient NaN), and judged in `on_pre_optimizer_step` with one
   host transfer: the same alert and warn/skip/raise policy as `Monitor`;
@@ -42,7 +44,7 @@ import torch
 
 from collectors import distributed, keys
 from collectors.alerts import NonFiniteGradAlert
-from collectors.gradcheck import AccumulatedGradCheck, GradReport
+from collectors.gradcheck import AccumulatedGradCheck, GradReport, LogitsProbe
 from collectors.import_utils import require
 from collectors.session import POLICIES, NonFiniteGradientError, RunSession
 
@@ -129,6 +131,8 @@ class RldiagCallback(TrainerCallback):
         self._policy = policy if session is None else session.policy
         self._distributed = False
         self._device: torch.device | None = None
+        self._probe = LogitsProbe()
+        self._probe_handle = None
 
     # ---- wiring --------------------------------------------------------------------------------
     def attach(self, trainer: Any) -> RldiagCallback:
@@ -176,12 +180,18 @@ class RldiagCallback(TrainerCallback):
         if model is not None:
             self._check = AccumulatedGradCheck(model.named_parameters())
             self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            if self._probe_handle is not None:
+                self._probe_handle.remove()
+            self._probe_handle = model.register_forward_hook(self._watch_logits)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         loss, self._loss_sum = self._loss_sum, None
         if self._check is None:
             return
         report, extra = self._check.collect(*([loss] if loss is not None else []))
+        if report is not None and not report.finite:  # failure path only: read the probe's flags
+            report.positions, report.nonfinite_positions = self._probe.positions(), self._probe.count()
+        self._probe.reset()
         step = state.global_step + 1  # the step this update becomes; on_log reports it under the same number
         if self._distributed:  # every rank, every step: the collectives must match up
             report = self._agree(report)
@@ -228,6 +238,13 @@ class RldiagCallback(TrainerCallback):
         self._finish("FINISHED")
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _watch_logits(self, module, inputs, output) -> None:
+        """Forward hook: the probe watches each training forward's logits (which samples and tokens get
+        non-finite gradients); forwards without gradients (generation, eval) are left alone."""
+        logits = getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor) and logits.requires_grad and logits.dim() >= 2:
+            self._probe.watch(logits)
+
     def _agree(self, report: GradReport | None) -> GradReport | None:
         """One all-reduce of the local non-finite flag; on a non-finite step, every rank's names."""
         import torch.distributed as dist
@@ -288,6 +305,10 @@ class RldiagCallback(TrainerCallback):
         if self._check is not None:
             self._check.remove()
             self._check = None
+        if self._probe_handle is not None:
+            self._probe_handle.remove()
+            self._probe_handle = None
+        self._probe.reset()
         if self.session is not None and self._owns_session:
             self.session.close(status)
             self.session = None

@@ -407,3 +407,33 @@ def test_grpo_metrics_under_trl_names_and_canonical_keys(uri, tmp_path):
     assert p["trainer.args_class"] == "GRPOConfig"
     assert p["trainer.beta"] == "0.1" and p["trainer.num_generations"] == "4"
     assert p["trainer.loss_type"] == args.loss_type and float(p["trainer.epsilon"]) == args.epsilon
+
+
+class NanThroughLogits(Trainer):
+    """Finite loss; NaN backward into logits[1, 3] of the second micro-batch of step 1."""
+
+    micro = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, **kw):
+        out = model(**inputs)
+        loss = out.loss
+        if self.state.global_step == 0:
+            if self.micro == 1:
+                x = out.logits[1, 3]
+                loss = loss + 0.0 * ((x - x.detach()) ** 2).sum().sqrt()
+            self.micro += 1
+        return (loss, out) if return_outputs else loss
+
+
+def test_alert_names_the_sample_and_token_whose_logits_went_non_finite(uri, tmp_path):
+    torch.manual_seed(0)
+    args = training_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2)
+    trainer = NanThroughLogits(model=LlamaForCausalLM(llama_config()), args=args, train_dataset=lm_dataset(16))
+    alerts = tmp_path / "alerts.jsonl"
+    RldiagCallback(experiment="hf", tracking_uri=uri, alerts_jsonl=alerts, policy="skip").attach(trainer)
+    trainer.train()
+    (event,) = read_alerts(alerts)  # step 1 only: step 2 is finite, and the probe was reset between
+    assert event["step"] == 1
+    assert event["positions"] == [{"micro_batch": 1, "sample": 1, "position": 3}]
+    assert event["nonfinite_positions"] == 1
+    assert "sample 1 token 3" in event["text"]
