@@ -26,6 +26,7 @@ MODULE_COMMANDS: dict[str, tuple[str, str]] = {
     "experiment": ("experiments.cli", "run a reproduction (masked-vs-unmasked, engine-parity) into the store"),
     "watch": ("app.watch", "alert on non-finite gradients in active MLflow runs (any logger)"),
     "report": ("app.report", "write a run-comparison report: self-contained HTML and a Markdown summary"),
+    "app": ("app.dashboard.launch", "open the dashboard in the browser: overlay runs, divergence, NaN events, config diff"),
 }
 
 

@@ -1,0 +1,167 @@
+"""Compare: the canonical metrics of the picked runs overlaid, two charts a row, with where each
+candidate leaves the reference (band of reference seeds) marked on the charts and listed above them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import streamlit as st
+
+from app.dashboard import RLDIAG_REFRESH_S, data
+from app.dashboard.selection import Selection, current, escape_md, label_list, needs_runs
+from app.decimate import DEFAULT_POINTS
+from app.figures import ChartOptions, run_colors
+from app.runs import runs_with_metrics
+
+PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
+CHART_POINTS = 1200  # line points per run and chart: each bucket's min and max for a half-width chart
+
+
+def _controls(sel: Selection, available: list[str]) -> tuple[list[str], ChartOptions, bool]:
+    """The page's controls; returns the metrics to draw, the chart options and whether to refresh live."""
+    defaults = [k for k in data.DEFAULT_METRICS if k in available] or available[:8]
+    with st.expander("Chart options", expanded=False):
+        chosen = st.multiselect("Metrics", available, default=defaults, key="compare.metrics")
+        c1, c2, c3 = st.columns(3)
+        delta = c1.toggle("Delta vs reference", key="compare.delta", disabled=not sel.reference_ids,
+                          help="Each run minus the mean of the reference runs at the same step")
+        log_y = c2.toggle("Log scale", key="compare.log")
+        smoothing = c3.slider("Smoothing (EMA weight)", 0.0, 0.99, 0.0, 0.01, key="compare.smoothing",
+                              help="TensorBoard's slider; 0 draws the raw points (every spike kept)")
+        last = int(sel.picked_runs()["last_step"].max(skipna=True) or 0)
+        first_step, last_step = (0, last)
+        if last > 0:
+            first_step, last_step = st.slider("Step range", 0, last, (0, last), key="compare.steps")
+    live_default = sel.running
+    c1, c2 = st.columns([1, 3])
+    live = c1.toggle("Live refresh", value=live_default, key="compare.live", disabled=not sel.running,
+                     help="Fetch new points while a picked run is RUNNING (only what is new is read)")
+    options = ChartOptions(delta=delta and bool(sel.reference_ids), smoothing=smoothing, log_y=log_y,
+                           first=first_step if first_step > 0 else None,
+                           last=last_step if last and last_step < last else None, n_points=CHART_POINTS)
+    if live and sel.running:
+        c2.caption(f"Refreshing every {_interval()} s while a picked run is RUNNING.")
+    return chosen, options, live and sel.running
+
+
+def _interval() -> float:
+    try:
+        return max(2.0, RLDIAG_REFRESH_S.get_float())
+    except ValueError:
+        return 10.0
+
+
+def _warn_unusable(sel: Selection) -> list[str]:
+    """Warn about picked runs without any canonical metric (naming the keys they have); returns the rest."""
+    picked = sel.picked_runs()
+    ok = runs_with_metrics(picked)
+    for r in picked[~ok].itertuples():
+        have = ", ".join(r.metrics) if r.metrics else "no metrics at all"
+        st.warning(f"Run **{escape_md(sel.labels[r.run_id])}** has none of rldiag's canonical metrics or their "
+                   f"known aliases, so it is left out of the charts. It logged: {escape_md(have)}.",
+                   icon=":material/help:")
+    return picked.loc[ok, "run_id"].tolist()
+
+
+def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options: ChartOptions, live: bool) -> None:
+    refs = [r for r in sel.reference_ids if r in run_ids]
+    cands = [r for r in sel.candidate_ids if r in run_ids]
+    force = st.session_state.pop("compare.force", False)
+    with st.spinner("Loading metric histories..."):
+        loaded = data.histories(sel.uri, run_ids, metric_keys, live=live, force=force)
+    h = loaded.histories
+    divs = data.divergences(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys)) if refs and cands else {}
+
+    st.subheader("Where candidates leave the reference")
+    if not refs:
+        st.info("Pick a reference run in the sidebar to see where candidates depart from it.")
+    elif not cands:
+        st.info("Pick candidate runs in the sidebar to compare them with the reference.")
+    else:
+        table = data.divergence_rows(divs, sel.labels)
+        band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
+        if table.empty:
+            st.success(f"No candidate leaves {band} on the metrics shown.", icon=":material/check:")
+        else:
+            st.dataframe(table, hide_index=True, key="compare.divergence", column_config={
+                "delta": st.column_config.NumberColumn(format="%.4g"),
+                "delta_sigma": st.column_config.NumberColumn("delta (sigma)", format="%.1f")})
+            st.caption(f"Compared with {band}: first step from which the candidate stays outside its noise band.")
+
+    colors = run_colors(run_ids, refs)
+    labels = tuple((r, sel.labels[r]) for r in run_ids)
+    shown = [k for k in metric_keys if h.for_key(k, run_ids)]
+    missing = [k for k in metric_keys if k not in shown]
+    if missing:
+        st.caption(f"No picked run logged: {escape_md(', '.join(missing))}.")
+    for row in range(0, len(shown), 2):  # one st.columns per row: the charts of a row line up
+        for col, key in zip(st.columns(2), shown[row:row + 2]):
+            fig = data.figure(loaded.stamp, h, key, tuple(run_ids), labels, tuple(refs), tuple(colors.items()),
+                              divs.get(key, {}), options)
+            col.plotly_chart(fig, key=f"compare.chart.{key}", config=PLOT_CONFIG, theme=None)
+
+
+def render() -> None:
+    sel = current()
+    st.header("Compare")
+    if not needs_runs(sel, "their metrics overlaid"):
+        return
+    st.caption(f"Reference: {label_list(sel, sel.reference_ids) or '(none)'} · "
+               f"Candidates: {label_list(sel, sel.candidate_ids) or '(none)'}")
+    run_ids = _warn_unusable(sel)
+    if not run_ids:
+        return
+    available = data.available_metrics(sel.runs, run_ids)
+    metric_keys, options, live = _controls(sel, available)
+    if not metric_keys:
+        st.info("Pick at least one metric under Chart options.")
+        return
+    if st.button("Fetch new points", key="compare.refresh", help="Read rows written since the last load"):
+        st.session_state["compare.force"] = True
+
+    @st.fragment(run_every=_interval() if live else None)
+    def charts() -> None:
+        _charts(sel, run_ids, metric_keys, options, live)
+
+    charts()
+    _downloads(sel, run_ids, metric_keys, options)
+
+
+def _downloads(sel: Selection, run_ids: list[str], metric_keys: list[str], options: ChartOptions) -> None:
+    """The run-comparison report (app.report) as HTML and Markdown, built only when asked (it embeds
+    plotly.js and every chart: seconds, not for every rerun)."""
+    refs = [r for r in sel.reference_ids if r in run_ids]
+    cands = [r for r in sel.candidate_ids if r in run_ids]
+    st.subheader("Report")
+    if not (refs and cands):
+        st.caption("Pick a reference and a candidate to build the run-comparison report.")
+        return
+    loaded = data.histories(sel.uri, run_ids, metric_keys)
+    wanted = (loaded.stamp, tuple(refs), tuple(cands), tuple(metric_keys), options)
+    built = st.session_state.get("compare.report")
+    if st.button("Build report (HTML + Markdown)", key="compare.report.build"):
+        from app.report import render_report
+
+        with st.spinner("Rendering the report..."):
+            try:
+                report = render_report(loaded.histories, data.get_store(sel.uri), refs, cands, keys=metric_keys,
+                                       options=replace(options, n_points=DEFAULT_POINTS))
+            except ValueError as e:
+                st.error(escape_md(str(e)))
+                return
+        built = (wanted, report.html, report.markdown)
+        st.session_state["compare.report"] = built
+    if built is None or built[0] != wanted:
+        st.caption("Self-contained HTML (charts, divergence, NaN events, config diff) and a Markdown summary "
+                   "of the runs and metrics picked here.")
+        return
+    c1, c2 = st.columns(2)
+    c1.download_button("Download HTML report", built[1], file_name="rldiag-report.html", mime="text/html",
+                       key="compare.report.html", on_click="ignore")
+    c2.download_button("Download Markdown summary", built[2], file_name="rldiag-report.md", mime="text/markdown",
+                       key="compare.report.md", on_click="ignore")
+
+
+if __name__ == "__main__":
+    render()

@@ -1,0 +1,213 @@
+"""The dashboard's cached loaders: one `Store` per URI, short-lived query caches, and metric histories
+kept per selection and refreshed incrementally (`load_histories(..., previous=)`).
+
+Every loader takes the tracking URI (a string) first so that Streamlit's caches key on it. Errors are
+`app.errors.DataError`s with the user's message; pages show them with `st.error`, never a traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from app.configdiff import RunConfig, config_diff, load_configs
+from app.divergence import Divergence, DivergenceConfig, detect_divergence
+from app.errors import DataError, StoreUnreachable
+from app.figures import ChartOptions, metric_figure
+from app.histories import Histories, load_histories
+from app.nan_events import load_alert_events
+from app.runs import find_runs
+from app.store import Store, open_store
+from collectors import keys
+
+RUNS_TTL_S = 5  # run list and status: short, so that a live run's status and new runs show up
+CONFIG_TTL_S = 30
+HISTORY_ENTRIES = 4  # selections whose histories stay in memory (10 runs x 8 x 100k points: ~200 MB each)
+IDLE_RELOAD_S = 300  # finished runs: check for new rows at most this often (a resumed run)
+
+
+@st.cache_resource(max_entries=8, ttl=3600, show_spinner=False)
+def get_store(uri: str) -> Store:
+    """The checked store for `uri` (StoreUnreachable is raised, not cached)."""
+    return open_store(uri)
+
+
+def _client_call(uri: str, what: str, fn):
+    try:
+        return fn()
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - MLflow and connection errors come in many types
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise StoreUnreachable(f"{what} in {uri!r} failed: {type(e).__name__}: {first}. "
+                               "Check the tracking URI (sidebar) or MLFLOW_TRACKING_URI.") from None
+
+
+@st.cache_data(ttl=RUNS_TTL_S, max_entries=16, show_spinner=False)
+def experiments(uri: str) -> tuple[list[str], str | None]:
+    """Active experiment names (sorted) and the experiment of the newest run (None: no runs at all)."""
+    client = get_store(uri).client
+
+    def call():
+        exps = client.search_experiments(max_results=10_000)
+        newest = client.search_runs([e.experiment_id for e in exps], max_results=1,
+                                    order_by=["attributes.start_time DESC"]) if exps else []
+        by_id = {e.experiment_id: e.name for e in exps}
+        return sorted(by_id.values()), (by_id.get(newest[0].info.experiment_id) if newest else None)
+
+    return _client_call(uri, "listing experiments", call)
+
+
+@st.cache_data(ttl=RUNS_TTL_S, max_entries=32, show_spinner=False)
+def runs(uri: str, experiment: str) -> pd.DataFrame:
+    """`app.runs.find_runs` of one experiment (NoRunsFound when it is empty)."""
+    return find_runs(get_store(uri), experiments=experiment)
+
+
+@st.cache_data(ttl=CONFIG_TTL_S, max_entries=32, show_spinner=False)
+def configs(uri: str, run_ids: tuple[str, ...]) -> dict[str, RunConfig]:
+    return _client_call(uri, "reading params and tags", lambda: load_configs(get_store(uri), run_ids))
+
+
+@st.cache_data(ttl=RUNS_TTL_S * 2, max_entries=32, show_spinner=False)
+def alert_events(uri: str, run_ids: tuple[str, ...]) -> dict[str, list[dict]]:
+    tags = {r: c.tags for r, c in configs(uri, run_ids).items()}
+    return load_alert_events(get_store(uri), run_ids, tags=tags)
+
+
+# ---- histories: kept per selection, refreshed incrementally ---------------------------------------
+
+@dataclass(frozen=True)
+class Loaded:
+    """Histories and a stamp that changes whenever new rows arrived (keys the caches built on them)."""
+
+    histories: Histories
+    stamp: tuple
+    loaded_at: float
+
+
+class _HistoryCache:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: OrderedDict[tuple, Loaded] = OrderedDict()
+        self.generation = itertools.count(1)
+
+    def previous(self, uri: str, key_set: tuple[str, ...], exact: tuple) -> Loaded | None:
+        """The entry for exactly this selection, else the newest one of the same store and keys."""
+        if exact in self.entries:
+            return self.entries[exact]
+        same = [v for (u, _, ks), v in self.entries.items() if u == uri and ks == key_set]
+        return same[-1] if same else None
+
+
+@st.cache_resource(max_entries=1, show_spinner=False)
+def _history_cache() -> _HistoryCache:
+    return _HistoryCache()
+
+
+def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, live: bool = False,
+              force: bool = False) -> Loaded:
+    """Every point of `metric_keys` for `run_ids`. Served from memory; new rows are fetched
+    incrementally when `live` (a picked run is RUNNING), when `force`, or after IDLE_RELOAD_S."""
+    cache = _history_cache()
+    exact = (uri, tuple(run_ids), tuple(sorted(metric_keys)))
+    with cache.lock:
+        prev = cache.previous(uri, exact[2], exact)
+    fresh_enough = prev is not None and time.monotonic() - prev.loaded_at < IDLE_RELOAD_S
+    if prev is not None and prev.stamp[:3] == exact and fresh_enough and not (live or force):
+        return prev
+    h = load_histories(get_store(uri), list(run_ids), list(metric_keys),
+                       previous=prev.histories if prev is not None else None)
+    unchanged = prev is not None and prev.stamp[:3] == exact and h.fetched == 0
+    stamp = prev.stamp if unchanged else (*exact, next(cache.generation))
+    loaded = Loaded(h, stamp, time.monotonic())
+    with cache.lock:
+        cache.entries[exact] = loaded
+        cache.entries.move_to_end(exact)
+        while len(cache.entries) > HISTORY_ENTRIES:
+            cache.entries.popitem(last=False)
+    return loaded
+
+
+@st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
+def divergences(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
+                metric_keys: tuple[str, ...]) -> dict[str, dict[str, Divergence]]:
+    """`{key: {candidate: Divergence}}` against the references (several form a band); keyed on `stamp`."""
+    out: dict[str, dict[str, Divergence]] = {}
+    config = DivergenceConfig()
+    for key in metric_keys:
+        refs = [t for t in _h.for_key(key, reference_ids).values() if len(t)]
+        if not refs:
+            continue
+        for cand in candidate_ids:
+            t = _h.get(cand, key)
+            if t is not None and len(t):
+                out.setdefault(key, {})[cand] = detect_divergence(refs, t, config)
+    return out
+
+
+@st.cache_data(ttl=3600, max_entries=256, show_spinner=False)
+def figure(stamp: tuple, _h: Histories, key: str, run_ids: tuple[str, ...], labels: tuple[tuple[str, str], ...],
+           reference_ids: tuple[str, ...], colors: tuple[tuple[str, str], ...], _divergences: Mapping[str, Divergence],
+           options: ChartOptions) -> go.Figure:
+    """`metric_figure` of one metric, kept until new rows arrive (`stamp`): a page load after the first
+    redraws decimated figures instead of decimating every point again. `_divergences` follow from
+    `stamp` and the references and candidates."""
+    return metric_figure(key, _h.for_key(key, run_ids), labels=dict(labels), reference_ids=reference_ids,
+                         colors=dict(colors), divergences=_divergences, options=options)
+
+
+# ---- pure helpers the pages share ---------------------------------------------------------------
+
+DEFAULT_METRICS: tuple[str, ...] = (
+    keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
+    keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS,
+)
+
+
+def available_metrics(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> list[str]:
+    """Canonical keys that any of `run_ids` logged, in the canonical table's order."""
+    logged = set().union(*(set(m) for m in runs_df.loc[runs_df.run_id.isin(run_ids), "metrics"]))
+    return [k for k in keys.CANONICAL_METRICS if k in logged]
+
+
+def divergence_rows(divs: Mapping[str, Mapping[str, Divergence]], labels: Mapping[str, str]) -> pd.DataFrame:
+    """One row per (candidate, metric) that left the reference band, earliest onset first."""
+    rows = [{"candidate": labels.get(c, c), "metric": key, "onset_step": d.onset_step, "kind": d.kind,
+             "end_step": d.end_step, "delta": d.delta, "delta_sigma": d.delta_sigma,
+             "first_nonfinite_step": d.first_nonfinite_step}
+            for key, by_cand in divs.items() for c, d in by_cand.items() if d.diverged]
+    cols = ["candidate", "metric", "onset_step", "kind", "end_step", "delta", "delta_sigma", "first_nonfinite_step"]
+    return pd.DataFrame(rows, columns=cols).sort_values(["onset_step", "candidate"], kind="stable",
+                                                        ignore_index=True)
+
+
+def config_rows(cfgs: Mapping[str, RunConfig], labels: Mapping[str, str], *, show_identical: bool) -> pd.DataFrame:
+    """`config_diff` rows, differing ones first (engine parity, then batch/accumulation, then the rest),
+    then, with `show_identical`, the rows every run agrees on; a `differs` column tells them apart."""
+    diff = config_diff(cfgs, labels=labels, only_differing=True)
+    diff.insert(0, "differs", True)
+    if not show_identical:
+        return diff
+    full = config_diff(cfgs, labels=labels, only_differing=False)
+    same = full[~full.set_index(["kind", "name"]).index.isin(diff.set_index(["kind", "name"]).index)]
+    same.insert(0, "differs", False)
+    return pd.concat([diff, same], ignore_index=True)
+
+
+def clear_caches() -> None:
+    """Forget cached queries; histories stay in memory but fetch what is new on their next use."""
+    for loader in (experiments, runs, configs, alert_events):
+        loader.clear()
+    cache = _history_cache()
+    with cache.lock:
+        for k, v in cache.entries.items():
+            cache.entries[k] = Loaded(v.histories, v.stamp, float("-inf"))

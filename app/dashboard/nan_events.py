@@ -1,0 +1,66 @@
+"""NaN events: per picked run, the steps with non-finite gradients, the parameters and the samples and
+tokens the alerts name (`app.nan_events`); any run shows its steps, rldiag's alerts add the rest."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app.dashboard import data
+from app.dashboard.selection import Selection, current, escape_md, needs_runs
+from app.histories import nonfinite_table
+from app.nan_events import nan_events
+from collectors import keys
+
+GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.LOSS)
+
+
+def event_table(sel: Selection, events: pd.DataFrame) -> pd.DataFrame:
+    """The events with run names, as the page shows them."""
+    out = events.copy()
+    out.insert(0, "run", out.pop("run_id").map(sel.labels))
+    out["n_params"] = out["n_params"].astype("Int64")  # None where only the metrics tell
+    return out.rename(columns={"grad_norm": "grad norm", "n_params": "# params", "positions": "samples / tokens"})
+
+
+def render() -> None:
+    sel = current()
+    st.header("NaN events")
+    if not needs_runs(sel, "their non-finite gradient steps"):
+        return
+    ids = list(sel.picked)
+    with st.spinner("Loading gradient metrics..."):
+        h = data.histories(sel.uri, ids, GRAD_KEYS, live=sel.running).histories
+        alerts = data.alert_events(sel.uri, tuple(ids))
+    events = nan_events(h, data.get_store(sel.uri), ids, alerts)
+    counts = events.groupby("run_id")["step"].agg(["count", "min"]) if len(events) else pd.DataFrame()
+    summary = pd.DataFrame({
+        "run": [sel.labels[r] for r in ids],
+        "non-finite steps": [int(counts["count"].get(r, 0)) if len(counts) else 0 for r in ids],
+        "first step": [counts["min"].get(r) if len(counts) else None for r in ids],
+        "alerts (tag)": [int(sel.runs.set_index("run_id").at[r, "alerts"]) for r in ids],
+    })
+    st.dataframe(summary, hide_index=True, key="nan.summary")
+    if events.empty:
+        st.success("No non-finite gradient in the picked runs (grad/finite and the grad norm are finite "
+                   "at every logged step).", icon=":material/check:")
+    else:
+        st.subheader("Steps with non-finite gradients")
+        st.dataframe(event_table(sel, events), hide_index=True, key="nan.events",
+                     column_config={"grad norm": st.column_config.NumberColumn(format="%.4g")})
+        st.caption("`source`: `alerts` from the run's rldiag/alerts.jsonl, `tag` from its last-alert tag "
+                   "(while it runs), `metrics` from grad/finite or a NaN/inf grad norm (any trainer).")
+    other = nonfinite_table(h, ids)
+    other = other[other["key"] != keys.GRAD_FINITE]
+    if len(other):
+        st.subheader("Non-finite values per metric")
+        other.insert(0, "run", other.pop("run_id").map(sel.labels))
+        st.dataframe(other.astype({"steps": str}), hide_index=True, key="nan.metrics")
+    no_grad = [r for r in ids if h.get(r, keys.GRAD_NORM) is None and h.get(r, keys.GRAD_FINITE) is None]
+    if no_grad:
+        st.caption("No gradient metric (grad/norm, grad/finite or an alias) in: "
+                   + ", ".join(escape_md(sel.labels[r]) for r in no_grad))
+
+
+if __name__ == "__main__":
+    render()

@@ -1,0 +1,211 @@
+"""Dashboard page load: 10 runs x 8 metrics x 100k steps (8 M points) with NaN and spikes injected,
+from `rldiag app` to every chart drawn in headless Chromium.
+
+    python -m bench.dashboard_load [--runs 10] [--metrics 8] [--steps 100000] [--loads 3]
+
+The store is made once by MLflow (schema, experiment, runs, tags: run 0 the reference, the others
+candidates of one group) and filled by direct SQL inserts (8 M points through `log_batch` would take
+about 12 minutes), then cached under /tmp (not in the repository). Every run gets NaN at 3 steps of
+`grad/norm` and a one-step spike (+30 in a random walk of step sd 0.01) in one metric.
+
+Timed: `page.goto(<app>/compare)` until every chart's `_fullData` holds every run's line, in a new
+browser page each time. The first load after the server starts also reads the 8 M points and
+computes the divergence of 9 candidates x 8 metrics ("cold"); the later loads are served from the
+server's caches ("warm", the goal). Then every injected NaN and spike is checked in the drawn data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
+from bench._common import env_info, quiet_mlflow, summary_row, write_result
+from bench._server import free_port
+from collectors import keys
+
+NAME = "dashboard_load"
+GOAL_S = 5.0
+CACHE = Path(tempfile.gettempdir()) / "rldiag-bench"
+METRICS = (keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
+           keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS)
+EXPERIMENT = "bench-dashboard"
+T0_MS = 1_700_000_000_000
+SPIKE = 30.0
+REPO = Path(__file__).resolve().parent.parent
+DRAWN_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).map(p => ({
+    title: p._fullLayout.title.text,
+    traces: p._fullData.map(t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}))}))"""
+
+
+def injected(n_runs: int, n_metrics: int, steps: int) -> dict[str, dict]:
+    """Per run name: its NaN steps (grad/norm) and its spike (metric, step), from fixed seeds."""
+    out = {}
+    for i in range(n_runs):
+        rng = np.random.default_rng(1000 + i)
+        out[f"run-{i:02d}"] = {
+            "nan_steps": sorted(int(s) for s in rng.choice(np.arange(1, steps - 1), 3, replace=False)),
+            "spike": (METRICS[: n_metrics][i % n_metrics], int(rng.integers(1, steps - 1))),
+        }
+    return out
+
+
+def build_store(path: Path, n_runs: int, n_metrics: int, steps: int) -> str:
+    """The benchmark's MLflow SQLite store at `path` (built once, then reused)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{path}"
+    if path.exists():
+        return uri
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    client = MlflowClient(f"sqlite:///{tmp}")
+    exp = client.create_experiment(EXPERIMENT)
+    plan = injected(n_runs, n_metrics, steps)
+    ids = []
+    for i, name in enumerate(plan):
+        tags = {keys.TAG_GROUP: "bench", keys.TAG_ROLE: "reference" if i == 0 else "candidate", keys.TAG_SEED: str(i)}
+        ids.append(client.create_run(exp, run_name=name, tags=tags, start_time=T0_MS + i).info.run_id)
+    step = np.arange(steps)
+    ts = (T0_MS + step * 100).tolist()
+    with sqlite3.connect(tmp) as con:
+        con.execute("PRAGMA journal_mode=OFF")
+        con.execute("PRAGMA synchronous=OFF")
+        for i, (run_id, (name, inj)) in enumerate(zip(ids, plan.items())):
+            rng = np.random.default_rng(i)
+            for k_no, key in enumerate(METRICS[:n_metrics]):
+                vals = np.cumsum(rng.normal(0, 0.01, steps)) + k_no
+                is_nan = np.zeros(steps, np.int64)
+                if key == inj["spike"][0]:
+                    vals[inj["spike"][1]] += SPIKE
+                if key == keys.GRAD_NORM:
+                    is_nan[inj["nan_steps"]] = 1
+                    vals[inj["nan_steps"]] = 0.0  # MLflow stores NaN as value 0, is_nan 1
+                con.executemany("INSERT INTO metrics (key, value, timestamp, run_uuid, step, is_nan) VALUES (?,?,?,?,?,?)",
+                                zip([key] * steps, vals.tolist(), ts, [run_id] * steps, step.tolist(), is_nan.tolist()))
+        con.execute("""INSERT OR REPLACE INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid)
+                       SELECT key, value, timestamp, step, is_nan, run_uuid FROM metrics WHERE step = ?""", (steps - 1,))
+        con.execute("UPDATE runs SET status='FINISHED', end_time=start_time + 1000")
+    tmp.replace(path)
+    return uri
+
+
+def serve(uri: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "app", "--tracking-uri", uri, "--port", str(port),
+                             "--no-browser"], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "_stcore/health", timeout=2) as r:
+                if r.read() == b"ok":
+                    return proc, url
+        except OSError:
+            time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise RuntimeError(f"the dashboard did not start: {log.read_text()[-2000:]}")
+
+
+def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float) -> tuple[float, list[dict]]:
+    """Seconds from navigation until `n_charts` charts hold every run's line; and what they drew."""
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    try:
+        t0 = time.perf_counter()
+        page.goto(url + "compare")
+        while True:
+            charts = page.evaluate(DRAWN_JS)
+            names = [{t["name"] for t in c["traces"]} for c in charts]
+            if len(charts) >= n_charts and all(set(runs) <= n for n in names):
+                return time.perf_counter() - t0, charts
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"{len(charts)} of {n_charts} charts drawn after {timeout_s} s")
+            page.wait_for_timeout(50)
+    finally:
+        page.close()
+
+
+def check_visible(charts: list[dict], plan: dict[str, dict]) -> dict[str, list]:
+    """Every injected NaN as a marker and every spike as a drawn point of its run's line."""
+    by_title = {c["title"]: {t["name"]: t for t in c["traces"]} for c in charts}
+    missing_nan, missing_spike = [], []
+    for run, inj in plan.items():
+        marker = by_title.get(keys.GRAD_NORM, {}).get(run + " NaN")
+        if marker is None or sorted(int(x) for x in marker["x"]) != inj["nan_steps"]:
+            missing_nan.append(run)
+        key, step = inj["spike"]
+        line = by_title.get(key, {}).get(run)
+        drawn = dict(zip((int(x) for x in line["x"]), line["y"])) if line else {}
+        if step not in drawn or drawn[step] < SPIKE / 2:
+            missing_spike.append(run)
+    return {"missing_nan": missing_nan, "missing_spike": missing_spike}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--metrics", type=int, default=8, choices=range(1, len(METRICS) + 1))
+    ap.add_argument("--steps", type=int, default=100_000)
+    ap.add_argument("--loads", type=int, default=3, help="warm page loads timed after the cold one")
+    ap.add_argument("--quick", action="store_true", help="20k steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps = 20_000
+    quiet_mlflow()
+    from tests.browser import chromium
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"dashboard-{args.runs}x{args.metrics}x{args.steps}.db"
+    t0 = time.perf_counter()
+    uri = build_store(path, args.runs, args.metrics, args.steps)
+    print(f"store {path} ({path.stat().st_size / 1e6:.0f} MB) ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    plan = injected(args.runs, args.metrics, args.steps)
+    runs = list(plan)
+    log = CACHE / "dashboard-app.log"
+    proc, url = serve(uri, log)
+    try:
+        with chromium() as browser:
+            cold, charts = load_page(browser, url, runs, args.metrics, timeout_s=1800)
+            print(f"cold page load (reads {args.runs * args.metrics * args.steps:,} points): {cold:.2f} s", flush=True)
+            warm = []
+            for _ in range(args.loads):
+                s, charts = load_page(browser, url, runs, args.metrics, timeout_s=300)
+                warm.append(s)
+                print(f"warm page load: {s:.2f} s", flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    visible = check_visible(charts, plan)
+    drawn_points = sum(len(t["x"]) for c in charts for t in c["traces"])
+    ok = not visible["missing_nan"] and not visible["missing_spike"]
+    median = statistics.median(warm)
+    print(f"every NaN and spike drawn: {ok} {visible}; {drawn_points} points drawn in {len(charts)} charts")
+    print(f"warm page load median {median:.2f} s (goal <= {GOAL_S} s): {'met' if median <= GOAL_S else 'NOT met'}")
+    result = {
+        "env": env_info(), "runs": args.runs, "metrics": args.metrics, "steps": args.steps,
+        "points": args.runs * args.metrics * args.steps, "quick": args.quick, "cold_s": cold, "warm_s": warm,
+        "warm_median_s": median, "drawn_points": drawn_points, "charts": len(charts), "all_visible": ok, **visible,
+        "summary": [
+            summary_row("dashboard page load to 8 charts drawn, warm server cache",
+                        f"{median:.2f} s", "-", "-", f"<= {GOAL_S} s, every NaN/spike drawn", median <= GOAL_S and ok),
+            summary_row("dashboard first load (reads 8 M points, divergence)", f"{cold:.1f} s", "-", "-", "-", None),
+        ],
+    }
+    print(f"results: {write_result(NAME, result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

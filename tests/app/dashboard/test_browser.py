@@ -1,0 +1,113 @@
+"""The dashboard served by `rldiag app` and drawn by a real Chromium: runs picked in the sidebar,
+charts drawn with the right traces and NaN markers, a run named like HTML shown as text."""
+
+from __future__ import annotations
+
+import html
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.app.dashboard.conftest import EVIL, NAN_STEPS
+from tests.browser import chromium, screenshot
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[3]
+READY = ('[data-testid="stApp"][data-test-connection-state="CONNECTED"]'
+         '[data-test-script-state="notRunning"]')
+
+# Every drawn plotly chart: its title and, per trace, the name plotly shows and the x it drew.
+DRAWN_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).map(p => ({
+    title: p._fullLayout.title.text,
+    traces: p._fullData.map(t => ({name: t.name, x: Array.from(t.x || [])}))}))"""
+
+
+def serve(uri: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    """`rldiag app` on a free port in its own process group; returns once /_stcore/health says ok."""
+    port = free_port()
+    log = tmp_path / "app.log"
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "app", "--tracking-uri", uri, "--port", str(port),
+                             "--no-browser"], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            with urllib.request.urlopen(url + "_stcore/health", timeout=2) as r:
+                if r.read() == b"ok":
+                    return proc, url, log
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the dashboard did not come up: {log.read_text()[-2000:]}")
+        time.sleep(0.3)
+
+
+def drawn(page, wanted: dict[str, set[str]], timeout_s: float = 240) -> dict[str, dict[str, list]]:
+    """Wait until each chart title in `wanted` is drawn holding (at least) those trace names."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        charts = {c["title"]: {t["name"]: t["x"] for t in c["traces"]} for c in page.evaluate(DRAWN_JS)}
+        if all(title in charts and names <= set(charts[title]) for title, names in wanted.items()):
+            return charts
+        if time.monotonic() > deadline:
+            pytest.fail(f"charts not drawn as expected after {timeout_s} s: have {{title: names}} = "
+                        f"{ {k: sorted(v) for k, v in charts.items()} }")
+        page.wait_for_timeout(250)
+
+
+@pytest.mark.browser
+def test_picked_runs_are_drawn_with_nan_markers_and_names_as_text(dash_store, tmp_path):
+    proc, url, log = serve(dash_store.uri, tmp_path)
+    dialogs: list[str] = []
+    try:
+        with chromium() as browser:
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.set_default_timeout(180_000)  # a shared 2-core machine can be slow
+            page.goto(url + "compare")
+            sidebar = page.get_by_test_id("stSidebar")
+            group = sidebar.get_by_role("combobox", name="Comparison group (rldiag.group)")
+            group.wait_for()  # the first script run is done: the sidebar holds the run pickers
+            assert group.input_value() == "v0_vs_v1"  # the newest run's group, from the tags
+            # In the sidebar: every run of the experiment, then add the TRL run to the candidates.
+            group.click()
+            page.get_by_role("option", name="(all runs)").click()
+            candidates = sidebar.get_by_role("combobox", name="Candidate run(s)")
+            page.wait_for_function("() => ![...document.querySelectorAll('[role=combobox]')]"
+                                   ".some(e => e.value === 'v0_vs_v1')")
+            page.wait_for_selector(READY)
+            candidates.click()
+            page.keyboard.type("trl")
+            page.get_by_role("option", name="trl run").click()
+            page.keyboard.press("Escape")
+            charts = drawn(page, {
+                "policy/ratio_mean": {"v0 ref", "v1 shifted", "diverges: v1 shifted", html.escape(EVIL, quote=False)},
+                "grad/norm": {"v0 ref", "unmasked", "unmasked NaN", "unmasked +inf", "trl run"},
+                "policy/kl_new_old": {"trl run", "diverges: v1 shifted"},
+            })
+            assert charts["grad/norm"]["unmasked NaN"] == list(NAN_STEPS)
+            assert not [n for c in charts.values() for n in c if n.startswith("diverges: ") and "v1 shifted" not in n]
+            # The run named like an <img> tag is text wherever it shows: sidebar chip, caption, legend
+            # (plotly keeps names as escaped markup and draws them as text).
+            assert page.get_by_text(EVIL, exact=True).count() >= 2
+            assert page.locator("svg.main-svg text.legendtext", has_text=EVIL).count() >= 1
+            assert page.locator('img[src="x"]').count() == 0 and dialogs == []
+            page.wait_for_timeout(500)
+            shot = screenshot(page, "dashboard-compare")
+            assert shot.stat().st_size > 50_000
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "rldiag dashboard: " + url in log.read_text()

@@ -1,0 +1,172 @@
+"""Each page of the dashboard through Streamlit's AppTest, against the real SQLite store of conftest.py:
+what a user reads off the page (tables, chart traces, messages)."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pytest
+
+from app.dashboard import data
+from app.dashboard.selection import ALL_RUNS
+from collectors import keys
+from tests.app.conftest import write_run
+from tests.app.dashboard.conftest import EVIL, INF_STEP, NAN_STEPS, SHIFT_AT
+from tests.app.dashboard.helpers import app, by_name, figures, unescape_md
+from tests.conftest import free_port
+
+TAGGED = ["v0 ref", "v0 seed1", "v0 seed2", "v1 shifted", "unmasked", EVIL]
+
+
+def test_overview_lists_every_run_with_status_steps_alerts_and_tags(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch)
+    assert at.sidebar.selectbox(key="sidebar.experiment").value == "dash"  # the newest run's experiment
+    table = at.dataframe[0].value
+    assert sorted(table["run"]) == sorted([*TAGGED, "trl run", "throughput only"])
+    for col in ("status", "steps", "alerts", "variant", "role", "group", "started (UTC)", "picked"):
+        assert col in table.columns
+    row = table.set_index("run").loc
+    assert (table["status"] == "FINISHED").all() and row["v0 ref", "steps"] == 299
+    assert row["unmasked", "alerts"] == 4 and row["unmasked", "variant"] == "unmasked"
+    # defaults from the tags: the newest group's reference and candidates; untagged runs are not picked
+    assert row["v0 ref", "picked"] == "reference" and row["v1 shifted", "picked"] == "candidate"
+    assert row["trl run", "picked"] == "" and row["trl run", "role"] is None or np.isnan(row["trl run", "role"])
+    [warning] = [unescape_md(w.value) for w in at.warning]
+    assert "throughput only" in warning and "It has: lr, tokens_per_sec." in warning
+
+
+def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch, "compare.py")
+    figs = figures(at)
+    assert list(figs) == [keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
+                          keys.GRAD_NORM, keys.LOSS]  # the default metrics these runs logged, in order
+    escaped = {html.escape(n, quote=False) for n in TAGGED}
+    ratio = by_name(figs[keys.RATIO_MEAN])
+    lines = [t for t in figs[keys.RATIO_MEAN] if t["mode"] == "lines"]
+    assert {t["name"] for t in lines} == escaped  # the run named like HTML is escaped text for plotly
+    assert lines[-1]["name"] == "v0 ref" and lines[-1]["line"]["width"] == 3.0  # reference on top, wider
+    assert len(lines[0]["x"]) == 300  # 300 points fit under the chart's budget: nothing decimated away
+    # the level shift is marked within a few steps of its onset; the seed replicates never are
+    [onset] = ratio["diverges: v1 shifted"]["x"]
+    assert abs(onset - SHIFT_AT) <= 3
+    assert "diverges: v1 shifted" in by_name(figs[keys.KL_NEW_OLD])
+    every = [t["name"] for ts in figs.values() for t in ts]
+    assert not [n for n in every if n.startswith("diverges: ") and n != "diverges: v1 shifted"]
+    grad = by_name(figs[keys.GRAD_NORM])
+    assert grad["unmasked NaN"]["x"].tolist() == list(NAN_STEPS)
+    assert grad["unmasked +inf"]["x"].tolist() == [INF_STEP]
+    assert not np.isin(grad["unmasked"]["x"], [*NAN_STEPS, INF_STEP]).any()  # the line skips them
+    table = at.dataframe[0].value
+    assert sorted(table["metric"]) == [keys.KL_NEW_OLD, keys.RATIO_MEAN]
+    assert set(table["candidate"]) == {"v1 shifted"} and (abs(table["onset_step"] - SHIFT_AT) <= 3).all()
+    assert not at.warning  # every picked run has canonical metrics
+
+
+def test_compare_band_of_seeds_trl_aliases_and_a_run_without_canonical_metrics(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch, "compare.py")
+    at.sidebar.selectbox(key="sidebar.group").set_value(ALL_RUNS).run()
+    ids = dash_store.ids
+    at.sidebar.multiselect(key="sidebar.reference").set_value([ids["v0 ref"], ids["v0 seed1"], ids["v0 seed2"]])
+    at.sidebar.multiselect(key="sidebar.candidates").set_value(
+        [ids["v1 shifted"], ids["trl run"], ids["throughput only"]]).run()
+    assert not at.exception
+    [warning] = [unescape_md(w.value) for w in at.warning]
+    assert "throughput only" in warning and "lr, tokens_per_sec" in warning
+    figs = figures(at)
+    grad = {t["name"] for t in figs[keys.GRAD_NORM] if t["mode"] == "lines"}
+    assert grad == {"v0 ref", "v0 seed1", "v0 seed2", "v1 shifted", "trl run"}  # TRL's grad_norm, mapped
+    assert "trl run" in {t["name"] for t in figs[keys.KL_NEW_OLD]}
+    assert "trl run" not in {t["name"] for t in figs[keys.RATIO_MEAN]}  # TRL logged no ratio
+    table = at.dataframe[0].value
+    assert set(table["candidate"]) == {"v1 shifted"}  # the band of 3 seeds: only the shift departs
+    assert any("band of 3 reference runs" in c.value for c in at.caption)
+
+
+def test_compare_controls_delta_step_range_and_metric_choice(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch, "compare.py")
+    at.multiselect(key="compare.metrics").set_value([keys.RATIO_MEAN, keys.GRAD_NORM])
+    at.toggle(key="compare.delta").set_value(True)
+    at.slider(key="compare.steps").set_value((100, 220)).run()
+    figs = figures(at)
+    assert list(figs) == [f"{keys.RATIO_MEAN} (minus reference)", f"{keys.GRAD_NORM} (minus reference)"]
+    ratio = by_name(figs[f"{keys.RATIO_MEAN} (minus reference)"])
+    assert ratio["v0 ref"]["y"].max() == 0 and ratio["v1 shifted"]["x"].min() == 100
+    assert ratio["v1 shifted"]["x"].max() == 220 and np.median(ratio["v1 shifted"]["y"][-50:]) > 0.03
+    grad = by_name(figs[f"{keys.GRAD_NORM} (minus reference)"])
+    assert grad["unmasked NaN"]["x"].tolist() == [200]  # only the NaN inside the step range
+
+
+def test_nan_events_lists_steps_parameters_and_tokens(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch, "nan_events.py")
+    summary, events = at.dataframe[0].value, at.dataframe[1].value
+    assert summary.set_index("run").loc["unmasked", "non-finite steps"] == 4
+    assert summary.set_index("run")["non-finite steps"].drop("unmasked").eq(0).all()
+    assert events["run"].unique().tolist() == ["unmasked"]
+    assert events["step"].tolist() == [*NAN_STEPS, INF_STEP]
+    tagged = events.set_index("step").loc[200]
+    assert tagged["source"] == "tag" and tagged["params"] == "model.embed.weight, model.lm_head.weight"
+    assert tagged["samples / tokens"] == "sample 1 token 3" and tagged["# params"] == 2
+    assert events.set_index("step").loc[INF_STEP, "grad norm"] == np.inf
+
+
+def test_config_diff_puts_engine_parity_knobs_first(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch, "config_diff.py")
+    table = at.dataframe[0].value
+    assert table["differs"].all()
+    assert table["name"].tolist()[:2] == ["engine.logprobs_mode", "engine.enable_prefix_caching"]
+    row = table.set_index("name").loc
+    assert row["engine.logprobs_mode", "v1 shifted"] == "raw_logprobs"
+    assert row["engine.logprobs_mode", "v0 ref"] == "processed_logprobs"
+    assert row["lr", "unmasked"] == "2e-06" and row["lr", "v0 ref"] == "1e-06"
+    assert "engine.name" not in set(table["name"])  # the same in every picked run: only with identical rows
+    assert "trainer.gradient_accumulation_steps" not in set(table["name"])
+    at.toggle(key="config.all").set_value(True).run()
+    full = at.dataframe[0].value
+    assert len(full) > len(table) and full["differs"].tolist() == sorted(full["differs"], reverse=True)
+    same = full[~full["differs"]].set_index("name").loc
+    assert same["engine.name", "v1 shifted"] == "vllm" and same["trainer.gradient_accumulation_steps", EVIL] == "2"
+
+
+def test_unreachable_store_is_an_error_message_not_a_traceback(tmp_path, monkeypatch):
+    at = app(f"sqlite:///{tmp_path / 'nowhere.db'}", monkeypatch)
+    [error] = at.error
+    assert "Cannot read the tracking store" in error.value and "does not exist" in unescape_md(error.value)
+    at = app(f"http://127.0.0.1:{free_port()}", monkeypatch)
+    assert "cannot reach the MLflow tracking server" in unescape_md(at.error[0].value)
+
+
+def test_empty_experiment_and_no_runs_picked_say_so(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch, "compare.py")
+    at.sidebar.multiselect(key="sidebar.reference").set_value([])
+    at.sidebar.multiselect(key="sidebar.candidates").set_value([]).run()
+    assert "No runs picked" in at.info[0].value and not at.get("plotly_chart")
+    at.sidebar.selectbox(key="sidebar.experiment").set_value("empty").run()
+    assert not at.exception and "has no runs yet" in at.info[0].value
+    at.switch_page("overview.py").run()
+    assert "has no runs yet" in at.info[0].value and not at.dataframe
+
+
+def test_live_run_is_reloaded_incrementally(store_uri, monkeypatch):
+    rid = write_run(store_uri, experiment="live", name="live", finish=False,
+                    tags={keys.TAG_ROLE: "reference"}, steps=[(s, {keys.RATIO_MEAN: 1.0}) for s in range(50)])
+    at = app(store_uri, monkeypatch, "compare.py")
+    assert at.toggle(key="compare.live").value  # a RUNNING run: live refresh is on by default
+    [line] = figures(at)[keys.RATIO_MEAN]
+    assert line["x"].max() == 49
+    write_run(store_uri, run_id=rid, finish=False, steps=[(s, {keys.RATIO_MEAN: 1.0}) for s in range(50, 80)])
+    at.run()
+    [line] = figures(at)[keys.RATIO_MEAN]
+    assert line["x"].max() == 79
+    [loaded] = data._history_cache().entries.values()
+    assert loaded.histories.fetched == 30  # only the new rows were read
+
+
+def test_report_downloads_are_built_on_request(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch, "compare.py")
+    assert not at.get("download_button")  # nothing rendered until asked
+    at.multiselect(key="compare.metrics").set_value([keys.RATIO_MEAN]).run()  # a small report: a quick test
+    at.button(key="compare.report.build").click().run()
+    assert not at.exception and not at.error
+    labels = sorted(b.proto.label for b in at.get("download_button"))
+    assert labels == ["Download HTML report", "Download Markdown summary"]
