@@ -13,6 +13,8 @@ RATIO_MEAN = "policy/ratio_mean"
 RATIO_MAX = "policy/ratio_max"
 KL_NEW_OLD = "policy/kl_new_old"
 KL_NEW_OLD_K1 = "policy/kl_new_old_k1"
+# KL to a frozen reference model as the trainer computes it (TRL `kl`, the beta term): not new/old
+KL_REF = "policy/kl_ref"
 ENTROPY = "policy/entropy"
 
 # --- reward ------------------------------------------------------------------------------------
@@ -43,6 +45,7 @@ CANONICAL_METRICS: tuple[str, ...] = (
     RATIO_MAX,
     KL_NEW_OLD,
     KL_NEW_OLD_K1,
+    KL_REF,
     ENTROPY,
     REWARD_MEAN,
     REWARD_STD,
@@ -63,7 +66,7 @@ CANONICAL_METRICS: tuple[str, ...] = (
 ALIASES: dict[str, str] = {
     # transformers / TRL
     "grad_norm": GRAD_NORM,
-    "kl": KL_NEW_OLD,
+    "kl": KL_REF,  # TRL: KL(policy || reference model), logged when beta != 0
     "entropy": ENTROPY,
     "clip_ratio/region_mean": CLIP_RATE,
     "reward": REWARD_MEAN,

@@ -168,7 +168,7 @@ def figure(stamp: tuple, _h: Histories, key: str, run_ids: tuple[str, ...], labe
 # ---- pure helpers the pages share ---------------------------------------------------------------
 
 DEFAULT_METRICS: tuple[str, ...] = (
-    keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
+    keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.KL_REF, keys.ENTROPY, keys.REWARD_MEAN,
     keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS,
 )
 

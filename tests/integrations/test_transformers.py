@@ -395,7 +395,7 @@ def test_grpo_metrics_under_trl_names_and_canonical_keys(uri, tmp_path):
     rid = run.info.run_id
     logs = {h["step"]: h for h in trainer.state.log_history if "reward" in h}
     for trl_name, canonical in [("reward", keys.REWARD_MEAN), ("reward_std", keys.REWARD_STD),
-                                ("kl", keys.KL_NEW_OLD), ("entropy", keys.ENTROPY),
+                                ("kl", keys.KL_REF), ("entropy", keys.ENTROPY),
                                 ("clip_ratio/region_mean", keys.CLIP_RATE), ("grad_norm", keys.GRAD_NORM)]:
         expected = {s: h[trl_name] for s, h in logs.items()}
         assert history(client, rid, trl_name) == pytest.approx(expected), trl_name

@@ -5,7 +5,7 @@ Experiment `dash`, group `v0_vs_v1`, 300 steps each, noise with fixed seeds:
 - `v1 shifted`: policy/ratio_mean and policy/kl_new_old step up at SHIFT_AT (5 noise sd),
 - `unmasked`: grad/norm NaN at NAN_STEPS and +inf at INF_STEP (grad/finite 0 there), its last-alert
   tag naming parameters and a token,
-- `trl run` (no rldiag tags): only TRL's names grad_norm, kl, entropy, reward, clip_ratio/region_mean,
+- `trl run` (no rldiag tags): only TRL's names grad_norm, kl (read as policy/kl_ref), entropy, reward, clip_ratio/region_mean,
 - `throughput only` (no tags): keys no canonical metric maps to,
 - `<img src=x onerror=alert(1)>`: a run named like an attack, a plain candidate.
 Experiment `empty` has no runs.

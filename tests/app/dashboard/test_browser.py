@@ -92,7 +92,7 @@ def test_picked_runs_are_drawn_with_nan_markers_and_names_as_text(dash_store, tm
             charts = drawn(page, {
                 "policy/ratio_mean": {"v0 ref", "v1 shifted", "diverges: v1 shifted", html.escape(EVIL, quote=False)},
                 "grad/norm": {"v0 ref", "unmasked", "unmasked NaN", "unmasked +inf", "trl run"},
-                "policy/kl_new_old": {"trl run", "diverges: v1 shifted"},
+                "policy/kl_new_old": {"diverges: v1 shifted"},  # TRL's kl is KL to the reference: not here
             })
             assert charts["grad/norm"]["unmasked NaN"] == list(NAN_STEPS)
             assert not [n for c in charts.values() for n in c if n.startswith("diverges: ") and "v1 shifted" not in n]

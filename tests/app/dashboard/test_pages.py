@@ -76,7 +76,9 @@ def test_compare_band_of_seeds_trl_aliases_and_a_run_without_canonical_metrics(d
     figs = figures(at)
     grad = {t["name"] for t in figs[keys.GRAD_NORM] if t["mode"] == "lines"}
     assert grad == {"v0 ref", "v0 seed1", "v0 seed2", "v1 shifted", "trl run"}  # TRL's grad_norm, mapped
-    assert "trl run" in {t["name"] for t in figs[keys.KL_NEW_OLD]}
+    assert "trl run" not in {t["name"] for t in figs[keys.KL_NEW_OLD]}  # TRL's kl is KL to the reference
+    at.multiselect(key="compare.metrics").select(keys.KL_REF).run()  # its own chart, on request
+    assert {t["name"] for t in figures(at)[keys.KL_REF]} == {"trl run"}
     assert "trl run" not in {t["name"] for t in figs[keys.RATIO_MEAN]}  # TRL logged no ratio
     table = at.dataframe[0].value
     assert set(table["candidate"]) == {"v1 shifted"}  # the band of 3 seeds: only the shift departs
