@@ -20,7 +20,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="experiment", metavar="NAME", required=True)
+    # not `experiment`: each experiment has an --experiment option (the MLflow experiment) of its own
+    sub = parser.add_subparsers(dest="experiment_name", metavar="NAME", required=True)
     for name, (module, help_) in EXPERIMENTS.items():
         p = sub.add_parser(name, help=help_, description=help_,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -29,4 +30,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return importlib.import_module(EXPERIMENTS[args.experiment][0]).run(args)
+    return importlib.import_module(EXPERIMENTS[args.experiment_name][0]).run(args)
