@@ -187,7 +187,17 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     if not found:
         return Divergence(candidate.key, None, None, None, float("nan"), float("nan"), first_bad, int(compared.sum()))
     i0, kind, mask = min(found, key=lambda f: f[0])
-    i = _refine_onset(cand - band.center, i0, config.window) if kind == "level" else i0
+    if kind == "level" and i0 > 0:
+        i = _refine_onset(cand - band.center, i0, config.window)
+    elif kind == "level":
+        # Out from the first compared step: there is no "before" to fit a split to (a fit would move the
+        # onset to wherever the gap grows most), and the centred median already sees later steps. The
+        # onset is the first raw point outside the band on the departure's side.
+        side = cand > band.upper if mask is above else cand < band.lower
+        hits = np.flatnonzero(side[: config.window + 1])
+        i = int(hits[0]) if len(hits) else i0
+    else:
+        i = i0
     back = _first_run(~mask[i0:], config.persist)  # back inside for `persist` steps: the departure ended
     j = n if back is None else i0 + back
     end_step = None if back is None else int(band.steps[j - 1])

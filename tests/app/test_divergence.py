@@ -118,3 +118,21 @@ def test_divergence_table_from_a_store(store_uri):
     loud = divergence_table(h, ref_ids, broken).set_index("key")
     assert pd.isna(loud.loc[keys.ENTROPY, "onset_step"])
     assert 250 <= loud.loc[keys.RATIO_MEAN, "onset_step"] <= 255 and loud.loc[keys.RATIO_MEAN, "delta"] > 2
+
+
+def test_a_candidate_apart_from_the_first_step_diverges_at_the_first_step():
+    # a short run (20 steps, as the engine-parity experiment logs) that is off from step 0 and keeps
+    # moving: the onset is step 0, not where the gap grows fastest
+    r = refs(3, 3, n=20)
+    c = seed_run(3999, n=20) + 10.0 + np.linspace(0, 20, 20) ** 1.5
+    d = detect_divergence(r, trace(c))
+    assert d.diverged and d.onset_step == 0 and d.kind == "level"
+
+
+def test_a_candidate_at_parity_for_one_step_then_apart_diverges_at_the_second():
+    # engine-parity's prefix cache kept across updates: identical at step 0, apart from step 1
+    r = refs(4, 3, n=20)
+    c = seed_run(4999, n=20) + 10.0
+    c[0] = np.median([t.values[0] for t in r])
+    d = detect_divergence(r, trace(c))
+    assert d.diverged and d.onset_step == 1
