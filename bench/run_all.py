@@ -26,6 +26,18 @@ BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "load_histori
 COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 
 
+def splice_readme(readme: Path, md: str) -> bool:
+    """Put the table between README's `<!-- bench-table ... -->` and `<!-- /bench-table -->` lines."""
+    text = readme.read_text()
+    start = text.find("<!-- bench-table")
+    end = text.find("<!-- /bench-table -->")
+    if start < 0 or end < start:
+        return False
+    start = text.index("\n", start) + 1
+    readme.write_text(text[:start] + md + text[end:])
+    return True
+
+
 def table(names: tuple[str, ...] = BENCHMARKS) -> str:
     """The Markdown table of every `summary` row in bench/results/<name>.json."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -73,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     md = table()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "README-table.md").write_text(md)
+    splice_readme(repo / "README.md", md)
     print("\n" + md)
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
