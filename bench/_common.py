@@ -109,3 +109,61 @@ def write_result(name: str, data: dict) -> Path:
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     tmp.replace(path)
     return path
+
+
+# ---- big stores for the read-side benchmarks --------------------------------------------------
+BENCH_T0_MS = 1_700_000_000_000
+MAX_FLOAT = 1.7976931348623157e308  # what MLflow's SQL stores keep for +inf
+
+
+def metric_store(path: Path, experiment: str, runs: list[tuple[str, dict[str, str], dict[str, str]]],
+                 metric_keys, steps: int, series) -> tuple[str, list[str]]:
+    """An MLflow SQLite store at `path` (reused when it holds `len(runs)` runs): runs made by MLflow
+    (schema, experiment, names, tags), metrics filled by direct SQL inserts, as MLflow stores them.
+
+    `runs`: (name, tags, params) per run; `series(run_no, key_no, key)` gives that metric's `steps` values,
+    NaN and +-inf included: NaN is stored as value 0 with is_nan 1, +-inf as +-max-float plus rldiag's
+    `rldiag/inf/<key>` flag, as the writer logs it. Timestamps are t0 + 100 ms per step; every run
+    ends FINISHED. Returns (uri, run ids in `runs` order).
+    """
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{path}"
+    if path.exists():
+        with sqlite3.connect(path) as con:
+            by_name = dict(con.execute("SELECT name, run_uuid FROM runs"))
+        if len(by_name) == len(runs) and all(run[0] in by_name for run in runs):
+            return uri, [by_name[run[0]] for run in runs]
+        path.unlink()
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    client = MlflowClient(f"sqlite:///{tmp}")
+    exp = client.create_experiment(experiment)
+    ids = []
+    for i, (name, tags, params) in enumerate(runs):
+        ids.append(client.create_run(exp, run_name=name, tags=tags, start_time=BENCH_T0_MS + i).info.run_id)
+        for k, v in params.items():
+            client.log_param(ids[-1], k, v)
+    step = np.arange(steps)
+    ts = (BENCH_T0_MS + step * 100).tolist()
+    with sqlite3.connect(tmp) as con:
+        con.execute("PRAGMA journal_mode=OFF")
+        con.execute("PRAGMA synchronous=OFF")
+        for i, rid in enumerate(ids):
+            for k, key in enumerate(metric_keys):
+                v = np.asarray(series(i, k, key), np.float64)
+                is_nan = np.isnan(v)
+                stored = np.where(is_nan, 0.0, np.clip(v, -MAX_FLOAT, MAX_FLOAT))
+                con.executemany("INSERT INTO metrics (key, value, timestamp, run_uuid, step, is_nan) VALUES (?,?,?,?,?,?)",
+                                zip([key] * steps, stored.tolist(), ts, [rid] * steps, step.tolist(),
+                                    is_nan.astype(int).tolist()))
+                for s in np.flatnonzero(np.isinf(v)).tolist():
+                    con.execute("INSERT INTO metrics VALUES (?,?,?,?,?,?)",
+                                (keys.inf_flag_key(key), 1.0 if v[s] > 0 else -1.0, ts[s], rid, s, 0))
+        con.execute("""INSERT OR REPLACE INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid)
+                       SELECT key, value, timestamp, step, is_nan, run_uuid FROM metrics m
+                       WHERE step = (SELECT MAX(step) FROM metrics WHERE run_uuid = m.run_uuid AND key = m.key)""")
+        con.execute("UPDATE runs SET status='FINISHED', end_time=start_time + 1000")
+    tmp.replace(path)
+    return uri, ids

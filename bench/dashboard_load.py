@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, quiet_mlflow, summary_row, write_result
+from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
 from bench._server import free_port
 from collectors import keys
 
@@ -41,7 +40,6 @@ CACHE = Path(tempfile.gettempdir()) / "rldiag-bench"
 METRICS = (keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
            keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS)
 EXPERIMENT = "bench-dashboard"
-T0_MS = 1_700_000_000_000
 SPIKE = 30.0
 REPO = Path(__file__).resolve().parent.parent
 DRAWN_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).map(p => ({
@@ -63,43 +61,21 @@ def injected(n_runs: int, n_metrics: int, steps: int) -> dict[str, dict]:
 
 def build_store(path: Path, n_runs: int, n_metrics: int, steps: int) -> str:
     """The benchmark's MLflow SQLite store at `path` (built once, then reused)."""
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{path}"
-    if path.exists():
-        return uri
-    tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    client = MlflowClient(f"sqlite:///{tmp}")
-    exp = client.create_experiment(EXPERIMENT)
     plan = injected(n_runs, n_metrics, steps)
-    ids = []
-    for i, name in enumerate(plan):
-        tags = {keys.TAG_GROUP: "bench", keys.TAG_ROLE: "reference" if i == 0 else "candidate", keys.TAG_SEED: str(i)}
-        ids.append(client.create_run(exp, run_name=name, tags=tags, start_time=T0_MS + i).info.run_id)
-    step = np.arange(steps)
-    ts = (T0_MS + step * 100).tolist()
-    with sqlite3.connect(tmp) as con:
-        con.execute("PRAGMA journal_mode=OFF")
-        con.execute("PRAGMA synchronous=OFF")
-        for i, (run_id, (name, inj)) in enumerate(zip(ids, plan.items())):
-            rng = np.random.default_rng(i)
-            for k_no, key in enumerate(METRICS[:n_metrics]):
-                vals = np.cumsum(rng.normal(0, 0.01, steps)) + k_no
-                is_nan = np.zeros(steps, np.int64)
-                if key == inj["spike"][0]:
-                    vals[inj["spike"][1]] += SPIKE
-                if key == keys.GRAD_NORM:
-                    is_nan[inj["nan_steps"]] = 1
-                    vals[inj["nan_steps"]] = 0.0  # MLflow stores NaN as value 0, is_nan 1
-                con.executemany("INSERT INTO metrics (key, value, timestamp, run_uuid, step, is_nan) VALUES (?,?,?,?,?,?)",
-                                zip([key] * steps, vals.tolist(), ts, [run_id] * steps, step.tolist(), is_nan.tolist()))
-        con.execute("""INSERT OR REPLACE INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid)
-                       SELECT key, value, timestamp, step, is_nan, run_uuid FROM metrics WHERE step = ?""", (steps - 1,))
-        con.execute("UPDATE runs SET status='FINISHED', end_time=start_time + 1000")
-    tmp.replace(path)
-    return uri
+    names = list(plan)
 
+    def series(run_no: int, key_no: int, key: str) -> np.ndarray:
+        inj = plan[names[run_no]]
+        vals = np.cumsum(np.random.default_rng(run_no * 1000 + key_no).normal(0, 0.01, steps)) + key_no
+        if key == inj["spike"][0]:
+            vals[inj["spike"][1]] += SPIKE
+        if key == keys.GRAD_NORM:
+            vals[inj["nan_steps"]] = np.nan
+        return vals
+
+    runs = [(name, {keys.TAG_GROUP: "bench", keys.TAG_ROLE: "reference" if i == 0 else "candidate",
+                    keys.TAG_SEED: str(i)}, {}) for i, name in enumerate(names)]
+    return metric_store(path, EXPERIMENT, runs, METRICS[:n_metrics], steps, series)[0]
 
 def serve(uri: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()

@@ -31,14 +31,13 @@ from pathlib import Path
 import numpy as np
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, quiet_mlflow, summary_row, write_result
+from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
 from collectors import keys
 
 NAME = "load_histories"
 GOAL = 1.3  # rldiag <= 1.3x the raw SQL read
 WARM_GOAL_S = 0.5
 CACHE = Path(tempfile.gettempdir()) / "rldiag-bench"
-MAX_FLOAT = 1.7976931348623157e308
 METRICS = (keys.CLIP_RATE, keys.RATIO_MEAN, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
            keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS)
 EXPERIMENT = "bench-load-histories"
@@ -56,45 +55,20 @@ def _rows(run_id: str, run_no: int, metric_keys: tuple[str, ...], steps: int, st
 
 
 def build_store(path: Path, n_runs: int, n_metrics: int, steps: int) -> tuple[str, list[str]]:
-    """An MLflow SQLite store at `path` holding the benchmark's runs; returns (uri, run_ids)."""
-    from mlflow.tracking import MlflowClient
+    """An MLflow SQLite store at `path` holding the benchmark's runs; returns (uri, run_ids).
 
-    uri = f"sqlite:///{path}"
-    if path.exists():
-        with sqlite3.connect(path) as con:
-            ids = [r[0] for r in con.execute("SELECT run_uuid FROM runs ORDER BY name")]
-        if len(ids) == n_runs:
-            return uri, ids
-        path.unlink()
-    tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    client = MlflowClient(f"sqlite:///{tmp}")
-    exp = client.create_experiment(EXPERIMENT)
-    ids = [client.create_run(exp, run_name=f"run-{i:02d}", tags={keys.TAG_SEED: str(i)}).info.run_id
-           for i in range(n_runs)]
-    metric_keys = METRICS[:n_metrics]
-    with sqlite3.connect(tmp) as con:
-        con.execute("PRAGMA journal_mode=OFF")
-        con.execute("PRAGMA synchronous=OFF")
-        for i, run_id in enumerate(ids):
-            con.executemany("INSERT INTO metrics (key, value, timestamp, run_uuid, step, is_nan) VALUES (?,?,?,?,?,?)",
-                            _rows(run_id, i, metric_keys, steps))
-        # Non-finite points in run 3's grad/norm, stored as MLflow stores them (NaN: value 0, is_nan 1).
-        bad = ids[min(3, n_runs - 1)]
-        for step, value, is_nan in ((steps // 4, 0.0, 1), (steps // 2, MAX_FLOAT, 0), (3 * steps // 4, -MAX_FLOAT, 0)):
-            con.execute("UPDATE metrics SET value=?, is_nan=? WHERE run_uuid=? AND key=? AND step=?",
-                        (value, is_nan, bad, keys.GRAD_NORM, step))
-            if not is_nan:
-                con.execute("INSERT INTO metrics VALUES (?,?,?,?,?,?)",
-                            (keys.inf_flag_key(keys.GRAD_NORM), 1.0 if value > 0 else -1.0, T0_MS + step * 100,
-                             bad, step, 0))
-        con.execute("""INSERT OR REPLACE INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid)
-                       SELECT key, value, timestamp, step, is_nan, run_uuid FROM metrics m
-                       WHERE step = (SELECT MAX(step) FROM metrics WHERE run_uuid = m.run_uuid AND key = m.key)""")
-        con.execute("UPDATE runs SET status='FINISHED'")
-    tmp.replace(path)
-    return uri, ids
+    A random walk per run and metric; run 3's grad/norm is NaN at a quarter, +inf at half and -inf at
+    three quarters of the steps."""
+    bad_run = min(3, n_runs - 1)
 
+    def series(run_no: int, key_no: int, key: str) -> np.ndarray:
+        vals = np.cumsum(np.random.default_rng(run_no * 1000 + key_no).normal(0, 0.01, steps)) + key_no
+        if run_no == bad_run and key == keys.GRAD_NORM:
+            vals[[steps // 4, steps // 2, 3 * steps // 4]] = [np.nan, np.inf, -np.inf]
+        return vals
+
+    runs = [(f"run-{i:02d}", {keys.TAG_SEED: str(i)}, {}) for i in range(n_runs)]
+    return metric_store(path, EXPERIMENT, runs, METRICS[:n_metrics], steps, series)
 
 def append_steps(path: Path, run_id: str, metric_keys: tuple[str, ...], start: int, n: int) -> None:
     """Write `n` more steps to one run, as a live run would (direct SQL, one transaction)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sqlite3
 import statistics
 import tempfile
 import time
@@ -27,19 +26,17 @@ from pathlib import Path
 import numpy as np
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, quiet_mlflow, summary_row, write_result
+from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
 from collectors import keys
 
 NAME = "report_build"
 GOAL_S = 5.0
 GOAL_MB = 8.0
 CACHE = Path(tempfile.gettempdir()) / "rldiag-bench"
-MAX_FLOAT = 1.7976931348623157e308
 METRICS = (keys.CLIP_RATE, keys.RATIO_MEAN, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
            keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS)
 EXPERIMENT, GROUP = "bench-report", "bench-report"
 N_REFS, SHIFTED = 3, 3
-T0_MS = 1_700_000_000_000
 
 
 def injected(run_no: int, key_no: int, steps: int) -> dict[str, np.ndarray]:
@@ -66,49 +63,11 @@ def values(run_no: int, key_no: int, steps: int) -> np.ndarray:
 
 def build_store(path: Path, n_runs: int, n_metrics: int, steps: int) -> tuple[str, list[str]]:
     """The benchmark's MLflow SQLite store at `path` (cached); returns (uri, run ids by run number)."""
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{path}"
-    if path.exists():
-        with sqlite3.connect(path) as con:
-            ids = [r[0] for r in con.execute("SELECT run_uuid FROM runs ORDER BY name")]
-        if len(ids) == n_runs:
-            return uri, ids
-        path.unlink()
-    tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    client = MlflowClient(f"sqlite:///{tmp}")
-    exp = client.create_experiment(EXPERIMENT)
-    ids = []
-    for i in range(n_runs):
-        role = "reference" if i < N_REFS else "candidate"
-        tags = {keys.TAG_GROUP: GROUP, keys.TAG_ROLE: role, keys.TAG_SEED: str(i)}
-        rid = client.create_run(exp, run_name=f"run-{i:02d}", tags=tags, start_time=T0_MS + i).info.run_id
-        client.log_param(rid, "engine.logprobs_mode", "processed_logprobs" if i == SHIFTED else "raw_logprobs")
-        ids.append(rid)
-    step = np.arange(steps)
-    ts = (T0_MS + step * 100).tolist()
-    with sqlite3.connect(tmp) as con:
-        con.execute("PRAGMA journal_mode=OFF")
-        con.execute("PRAGMA synchronous=OFF")
-        for i, rid in enumerate(ids):
-            for k, key in enumerate(METRICS[:n_metrics]):
-                v = values(i, k, steps)
-                is_nan = np.isnan(v)
-                stored = np.where(is_nan, 0.0, np.clip(v, -MAX_FLOAT, MAX_FLOAT))  # as MLflow stores NaN and inf
-                con.executemany("INSERT INTO metrics (key, value, timestamp, run_uuid, step, is_nan) VALUES (?,?,?,?,?,?)",
-                                zip([key] * steps, stored.tolist(), ts, [rid] * steps, step.tolist(),
-                                    is_nan.astype(int).tolist()))
-                for s in np.flatnonzero(np.isinf(v)).tolist():  # rldiag's inf flag, as the writer logs it
-                    con.execute("INSERT INTO metrics VALUES (?,?,?,?,?,?)",
-                                (keys.inf_flag_key(key), 1.0 if v[s] > 0 else -1.0, ts[s], rid, s, 0))
-        con.execute("""INSERT OR REPLACE INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid)
-                       SELECT key, value, timestamp, step, is_nan, run_uuid FROM metrics m
-                       WHERE step = (SELECT MAX(step) FROM metrics WHERE run_uuid = m.run_uuid AND key = m.key)""")
-        con.execute("UPDATE runs SET status='FINISHED'")
-    tmp.replace(path)
-    return uri, ids
-
+    runs = [(f"run-{i:02d}", {keys.TAG_GROUP: GROUP, keys.TAG_ROLE: "reference" if i < N_REFS else "candidate",
+                              keys.TAG_SEED: str(i)},
+             {"engine.logprobs_mode": "processed_logprobs" if i == SHIFTED else "raw_logprobs"})
+            for i in range(n_runs)]
+    return metric_store(path, EXPERIMENT, runs, METRICS[:n_metrics], steps, lambda i, k, _key: values(i, k, steps))
 
 def check_figures(report, ids: list[str], n_metrics: int, steps: int) -> dict:
     """Every injected NaN/+inf step a marker, every spike a line point at its value; what is missing, listed."""
