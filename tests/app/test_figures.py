@@ -115,3 +115,29 @@ def test_html_shaped_run_names_stay_text_in_the_figure_json():
     raw = json.dumps(spec)
     assert "<img" not in raw and "%{y}<" not in raw  # escaped for plotly's HTML subset and templates
     assert trace_names(fig) == [evil, evil + " NaN"]  # and read back as the same text
+
+
+@pytest.mark.slow
+def test_a_run_of_a_million_points_loads_and_draws_bounded(tmp_path):
+    # 1 M points of one metric, stored as MLflow stores them (bench's store builder), NaN/inf included
+    from app.histories import load_histories
+    from bench._common import metric_store
+
+    n = 1_000_000
+
+    def series(run_no, key_no, key):
+        v = np.random.default_rng(0).normal(0, 1, n)
+        v[[7, 500_000]] = np.nan
+        v[999_999] = np.inf
+        v[123_456] = 1e3  # one spike
+        return v
+
+    uri, (rid,) = metric_store(tmp_path / "big.db", "big", [("big", {}, {})], ["grad/norm"], n, series)
+    t = load_histories(uri, [rid], ["grad/norm"]).get(rid, "grad/norm")
+    assert len(t) == n
+    fig = metric_figure("grad/norm", {rid: t}, labels={rid: "big"})
+    by_name = {tr.name: tr for tr in fig.data}
+    assert len(by_name["big"].x) <= 2002 and 123_456 in set(np.asarray(by_name["big"].x).tolist())
+    assert np.asarray(by_name["big NaN"].x).tolist() == [7, 500_000]
+    assert np.asarray(by_name["big +inf"].x).tolist() == [999_999]
+    assert len(pio.to_json(fig)) < 200_000  # what the browser gets stays small
