@@ -23,6 +23,7 @@ metric scale; this band test is a few vectorised rolling medians.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -110,13 +111,39 @@ def compute_band(references: Sequence[Trace], candidate: Trace,
     labels = {f"ref{i}": t for i, t in enumerate(references)}
     al = align_by_step({**labels, "cand": candidate})
     rows = al.present[:, -1]
-    steps, vals = al.steps[rows], al.values[rows]
-    ref = vals[:, :-1].copy()
-    ref[~np.isfinite(ref)] = np.nan  # a seed's NaN/inf leaves the band at that step
-    cand = vals[:, -1]
-    ref_ok = np.isfinite(ref).any(axis=1)
-    w, half = config.window, config.window // 2 + 1
+    steps, cand = al.steps[rows], al.values[rows][:, -1]
+    ref_part = _reference_part(tuple(references), steps.tobytes(), config)
+    return _band(ref_part, steps, cand, config), cand, ref_part.ok
 
+
+@dataclass(frozen=True, eq=False)
+class _RefPart:
+    """What the band needs from the references alone, on a given set of steps."""
+
+    ref: np.ndarray  # the references' values on the steps (NaN where a seed has none or is non-finite)
+    ok: np.ndarray  # any reference finite at the step
+    smooth: np.ndarray
+    center: np.ndarray
+    noise: np.ndarray
+    spread: np.ndarray  # robust spread of the seeds' smoothed curves (0 for one seed)
+    n_seeds: np.ndarray
+    n_ref: np.ndarray
+
+
+@functools.lru_cache(maxsize=16)  # ~10 MB an entry at 100k steps x 3 seeds
+def _reference_part(references: tuple[Trace, ...], steps_bytes: bytes, config: DivergenceConfig) -> _RefPart:
+    """Cached per (references, steps): comparing many candidates that share their steps with one
+    reference band (a report, the dashboard's grid) smooths the references once, not per candidate."""
+    steps = np.frombuffer(steps_bytes, np.int64)
+    ref = np.full((len(steps), len(references)), np.nan)
+    for j, t in enumerate(references):
+        pos = np.searchsorted(t.steps, steps)
+        hit = pos < len(t.steps)
+        hit[hit] = t.steps[pos[hit]] == steps[hit]
+        ref[hit, j] = t.values[pos[hit]]
+    ref[~np.isfinite(ref)] = np.nan  # a seed's NaN/inf leaves the band at that step
+    ok = np.isfinite(ref).any(axis=1)
+    w, half = config.window, config.window // 2 + 1
     smooth = _rolling(ref, w, "median", half)
     with _quiet():
         center = np.nanmedian(smooth, axis=1)
@@ -130,15 +157,22 @@ def compute_band(references: Sequence[Trace], candidate: Trace,
         spread = _MAD * np.nanmedian(np.abs(smooth - center[:, None]), axis=1)
         spread = np.where(n_seeds >= 2, spread, 0.0)
         spread = _rolling(spread, config.scale_window, "median")[:, 0]
+        n_ref = _rolling(np.isfinite(ref).astype(float), w, "sum").mean(axis=1) if ref.shape[1] else None
+    return _RefPart(ref, ok, smooth, center, noise, spread, n_seeds, n_ref)
 
+
+def _band(rp: _RefPart, steps: np.ndarray, cand: np.ndarray, config: DivergenceConfig) -> Band:
+    w, half = config.window, config.window // 2 + 1
+    center, noise, n_seeds = rp.center, rp.noise, rp.n_seeds
+    with _quiet():
         cand_f = np.where(np.isfinite(cand), cand, np.nan)
         cand_smooth = _rolling(cand_f, w, "median", half)[:, 0]
         n_cand = _rolling(np.isfinite(cand_f).astype(float), w, "sum")[:, 0]
-        n_ref = _rolling(np.isfinite(ref).astype(float), w, "sum").mean(axis=1) if ref.shape[1] else n_cand
+        n_ref = rp.n_ref if rp.n_ref is not None else n_cand
         se = _MEDIAN_SE * noise * np.sqrt(1 / np.maximum(n_cand, 1) + 1 / np.maximum(n_ref * n_seeds, 1))
         # The seeds' smoothed curves differ by their smoothing noise (already in `se`) and by how
         # seeds wander; keep only the latter, for a new seed and for the centre's own error.
-        wander2 = np.maximum(spread**2 - (_MEDIAN_SE * noise) ** 2 / np.maximum(n_ref, 1), 0.0)
+        wander2 = np.maximum(rp.spread**2 - (_MEDIAN_SE * noise) ** 2 / np.maximum(n_ref, 1), 0.0)
         spread = np.sqrt(wander2 * (1 + 1.0 / np.maximum(n_seeds, 1)))
         half_width = config.k * np.sqrt(se**2 + spread**2)
         half_width = np.maximum(half_width, np.maximum(config.min_delta, config.rel_delta * np.abs(center)))
@@ -146,10 +180,9 @@ def compute_band(references: Sequence[Trace], candidate: Trace,
         # Never narrower than the seeds themselves: a candidate as far out as the farthest seed, plus
         # the noise of comparing two rolling medians, is still a seed (few seeds underestimate spread).
         se_one = _MEDIAN_SE * noise * np.sqrt(1 / np.maximum(n_cand, 1) + 1 / np.maximum(n_ref, 1))
-        upper = np.fmax(center + half_width, np.nanmax(smooth, axis=1) + config.k * se_one)
-        lower = np.fmin(center - half_width, np.nanmin(smooth, axis=1) - config.k * se_one)
-    band = Band(steps, center, lower, upper, noise, cand_smooth)
-    return band, cand, ref_ok
+        upper = np.fmax(center + half_width, np.nanmax(rp.smooth, axis=1) + config.k * se_one)
+        lower = np.fmin(center - half_width, np.nanmin(rp.smooth, axis=1) - config.k * se_one)
+    return Band(steps, center, lower, upper, noise, cand_smooth)
 
 
 @contextmanager
