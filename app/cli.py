@@ -122,6 +122,7 @@ COMMANDS = {"demo": cmd_demo, "sync": cmd_sync}
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one tiny alerts file per run
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     parser = build_parser(argv)
     args = parser.parse_args(argv)
