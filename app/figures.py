@@ -65,19 +65,15 @@ def run_colors(run_ids: Sequence[str], reference_ids: Sequence[str] = ()) -> dic
 
 
 def smooth(values: np.ndarray, weight: float) -> np.ndarray:
-    """TensorBoard's debiased exponential moving average over the finite values (others stay as they are)."""
+    """TensorBoard's debiased exponential moving average over the finite values (others stay as they
+    are). pandas' `ewm(adjust=True)` is exactly that: sum(w^i x_(n-i)) / sum(w^i)."""
     if weight <= 0 or len(values) == 0:
         return values
+    import pandas as pd
+
     out = values.astype(np.float64, copy=True)
     finite = np.isfinite(values)
-    acc, n = 0.0, 0
-    idx = np.flatnonzero(finite)
-    sm = np.empty(len(idx))
-    for i, v in enumerate(values[idx]):  # a loop, but over display-sized or history-sized arrays once
-        acc = acc * weight + (1 - weight) * v
-        n += 1
-        sm[i] = acc / (1 - weight ** n)
-    out[idx] = sm
+    out[finite] = pd.Series(values[finite]).ewm(alpha=1 - weight, adjust=True).mean().to_numpy()
     return out
 
 

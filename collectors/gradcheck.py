@@ -208,6 +208,14 @@ class AccumulatedGradCheck:
         grads = [self._params[i].grad.detach() for i in seen]
         self._seen, self._norms = seen, _norms_f32(grads) if grads else []
 
+    def nonfinite_flag(self, device: torch.device) -> Tensor:
+        """A one-element tensor on `device`, 1.0 when a recorded norm is non-finite, else 0.0, built on
+        the device without a host sync (for an all-reduce across ranks before `collect`)."""
+        if not self._norms:
+            return torch.zeros(1, device=device)
+        norms = torch.stack([n.to(device) for n in self._norms])
+        return (~torch.isfinite(norms)).any().to(torch.float32).reshape(1)
+
     def collect(self, *extra: Tensor) -> tuple[GradReport | None, list[float]]:
         """`(report, host values of extra)` in one transfer; the report is None when no parameter
         received a gradient since the last call (nothing to judge).

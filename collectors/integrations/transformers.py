@@ -188,13 +188,20 @@ class RldiagCallback(TrainerCallback):
         loss, self._loss_sum = self._loss_sum, None
         if self._check is None:
             return
-        report, extra = self._check.collect(*([loss] if loss is not None else []))
+        extras = [loss] if loss is not None else []
+        if self._distributed:  # every rank, every step: the collectives must match up
+            import torch.distributed as dist
+
+            flag = self._check.nonfinite_flag(self._device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # on the device: read with the norms, one transfer
+            extras.append(flag)
+        report, extra = self._check.collect(*extras)
         if report is not None and not report.finite:  # failure path only: read the probe's flags
             report.positions, report.nonfinite_positions = self._probe.positions(), self._probe.count()
         self._probe.reset()
         step = state.global_step + 1  # the step this update becomes; on_log reports it under the same number
-        if self._distributed:  # every rank, every step: the collectives must match up
-            report = self._agree(report)
+        if self._distributed:
+            report = self._agree(report, any_rank_bad=extra.pop() != 0.0)
         if self.session is not None:  # rank 0
             values = {keys.LOSS: extra[0]} if extra else {}
             if report is None:
@@ -245,19 +252,16 @@ class RldiagCallback(TrainerCallback):
         if isinstance(logits, torch.Tensor) and logits.requires_grad and logits.dim() >= 2:
             self._probe.watch(logits)
 
-    def _agree(self, report: GradReport | None) -> GradReport | None:
-        """One all-reduce of the local non-finite flag; on a non-finite step, every rank's names."""
-        import torch.distributed as dist
-
-        bad = report is not None and not report.finite
-        flag = torch.tensor([1.0 if bad else 0.0], device=self._device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0.0:
+    def _agree(self, report: GradReport | None, *, any_rank_bad: bool) -> GradReport | None:
+        """The step as every rank sees it: on a non-finite step (on any rank), every rank's names."""
+        if not any_rank_bad:
             return report
+        bad = report is not None and not report.finite
         names, positions, _ = distributed.gather_failure(report.nonfinite_params if bad else [],
                                                          report.positions if bad else [])
-        norm = report.norm if report is not None else float("nan")
-        return GradReport(norm=norm if bad else float("nan"), finite=False, nonfinite_params=names,
+        if not names:  # every rank's elements are finite: a float32 norm overflowed, not a NaN
+            return report
+        return GradReport(norm=report.norm if bad else float("nan"), finite=False, nonfinite_params=names,
                           positions=positions, nonfinite_positions=len(positions))
 
     def _open(self, params: dict[str, Any], args: Any) -> None:

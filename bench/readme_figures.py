@@ -1,8 +1,8 @@
 """The README's figures: each experiment's runs overlaid, drawn by the dashboard's own figure code and
-saved as PNG by Debian's Chromium (through Playwright, as the browser tests drive it).
+saved as PNG by Debian's Chromium (launched as the browser tests launch it, `tests.browser.chromium`).
 
-    rldiag experiment masked-vs-unmasked && rldiag experiment engine-parity
-    python -m experiments.readme_figures --tracking-uri sqlite:///mlruns.db   # -> experiments/figures/*.png
+    rldiag experiment masked-vs-unmasked && rldiag experiment engine-parity   # into ./mlruns.db
+    python -m bench.readme_figures                                # -> experiments/figures/*.png
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from app.runs import find_runs
 from collectors import keys
 from collectors.settings import default_tracking_uri
 
-OUT = Path(__file__).resolve().parent / "figures"
+OUT = Path(__file__).resolve().parent.parent / "experiments" / "figures"
 FIGURES = {  # file name: (rldiag.group, metrics, caption)
     "masked_vs_unmasked": ("masked_vs_unmasked", [keys.LOSS, keys.GRAD_NORM],
                            "loss stays finite while grad/norm is NaN from step 1 (markers at the top edge)"),
@@ -26,8 +26,6 @@ FIGURES = {  # file name: (rldiag.group, metrics, caption)
                                    keys.REWARD_MEAN],
                       "v0-parity seeds (black/grey) vs V1 defaults and one knob at a time"),
 }
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 def page(uri: str, group: str, metrics: list[str], caption: str) -> str:
@@ -54,18 +52,16 @@ def page(uri: str, group: str, metrics: list[str], caption: str) -> str:
 
 
 def save_png(html: str, path: Path) -> None:
-    from playwright.sync_api import sync_playwright
+    from tests.browser import chromium
 
-    with tempfile.TemporaryDirectory() as d, sync_playwright() as p:
+    with tempfile.TemporaryDirectory() as d, chromium() as browser:
         f = Path(d) / "page.html"
         f.write_text(html)
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
         pg = browser.new_page(viewport={"width": 1260, "height": 800})
         pg.goto(f.as_uri())
         pg.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .main-svg').length > 0")
         pg.wait_for_timeout(500)
         pg.screenshot(path=str(path), full_page=True)
-        browser.close()
 
 
 def main(argv: list[str] | None = None) -> int:
