@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from app.store import BACKEND_ENV
 from collectors.settings import default_tracking_uri
 
 EPILOG = """\
@@ -34,10 +35,28 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
-def add_tracking_option(p: argparse.ArgumentParser) -> None:
-    """`--tracking-uri`, as every command spells it (None: $MLFLOW_TRACKING_URI, else the embedded default)."""
+def add_tracking_option(p: argparse.ArgumentParser, *, read: bool = False) -> None:
+    """`--tracking-uri`, as every command spells it (None: $MLFLOW_TRACKING_URI, else the embedded default);
+    with `read`, also `--backend-store-uri` (a server's SQLite file to read histories from)."""
     p.add_argument("--tracking-uri", default=None, metavar="URI",
                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db here)")
+    if read:
+        p.add_argument("--backend-store-uri", default=None, metavar="URI", action=_SetEnv, env=BACKEND_ENV,
+                       help="with a tracking server: its own SQLite backend (what `mlflow server "
+                            "--backend-store-uri` was given), when this machine can read that file; metric "
+                            f"histories are then read from it directly, read-only (default: ${BACKEND_ENV})")
+
+
+class _SetEnv(argparse.Action):
+    """Store the value and export it, so that the dashboard's server process and every loader see it."""
+
+    def __init__(self, *args, env: str, **kwargs):
+        self.env = env
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        os.environ[self.env] = values
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

@@ -97,13 +97,15 @@ class Histories:
 
 
 def pick_method(store: Store, method: Method = "auto") -> str:
-    """`auto`: SQL for a SQLite file, REST for a server, MLflow's client otherwise."""
+    """`auto`: SQL for a SQLite file (a server's too, where its backend file is given), REST for a
+    server, MLflow's client otherwise."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
     if method == "auto":
-        return {"sqlite": "sql", "rest": "rest"}.get(store.kind, "client")
-    if method == "sql" and store.kind != "sqlite":
-        raise ValueError(f"method='sql' reads SQLite files only; {store.uri!r} is a {store.kind} store: "
+        return "sql" if store.sqlite_path is not None else {"rest": "rest"}.get(store.kind, "client")
+    if method == "sql" and store.sqlite_path is None:
+        raise ValueError(f"method='sql' reads SQLite files only; {store.uri!r} is a {store.kind} store"
+                         f"{' without a backend file (--backend-store-uri)' if store.kind == 'rest' else ''}: "
                          "use method='auto'")
     if method == "rest" and store.kind != "rest":
         raise ValueError(f"method='rest' needs an http(s) tracking server; {store.uri!r} is a {store.kind} "

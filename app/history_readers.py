@@ -1,8 +1,8 @@
 """Three ways to read raw metric rows, one per kind of store; `app.histories` picks and combines them.
 
-- `read_sql`: SQLite file, read-only. One query for all runs and keys; run and key come back as small
-  integers (a CASE), so no Python string is built per row, and rows stream into one numpy array.
-  Measured on 1.6 M points: 0.6-0.9x the time of `pandas.read_sql` of the same rows.
+- `read_sql`: SQLite file, read-only. One query for all runs and keys, read into Arrow arrays by
+  Apache Arrow's ADBC SQLite driver (no Python object per row); Python's sqlite3 is the fallback
+  (`RLDIAG_SQL_READER=sqlite3`), pinned against it by the tests.
 - `read_rest`: an `mlflow server`. One request per (run, key), in parallel threads, JSON read
   straight into numpy: the UI's `get-history-bulk` (plain JSON, up to 25,000 points), continued
   by `get-history` without `max_results` (the rest in one page); a `page_token` offset fetches only
@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -64,29 +65,92 @@ def read_sql(
         keys = list(keys)
         if not keys or upto <= after_rowid:
             return {}, upto
-        # run i, key j and is_nan packed into one integer: (i * K + j) * 2 + is_nan.
-        nk = len(keys)
-        run_case = "CASE run_uuid " + " ".join(f"WHEN ? THEN {i * nk}" for i in range(len(run_ids))) + " END"
-        key_case = "CASE key " + " ".join(f"WHEN ? THEN {j}" for j in range(nk)) + " END"
-        where = (f"run_uuid IN ({_placeholders(len(run_ids))}) AND key IN ({_placeholders(nk)})"
-                 " AND rowid > ? AND rowid <= ?")
-        sql = f"SELECT (({run_case}) + ({key_case})) * 2 + is_nan, step, timestamp, value FROM metrics WHERE {where}"
-        cur = con.execute(sql, [*run_ids, *keys, *run_ids, *keys, after_rowid, upto])
-        flat = np.fromiter(itertools.chain.from_iterable(cur), dtype=np.float64)
-    rows = flat.reshape(-1, 4)
-    code = rows[:, 0].astype(np.int64)
-    is_nan = (code & 1).astype(bool)
-    group = code >> 1
-    values = rows[:, 3].copy()
+        scan = _full_scan(con, run_ids, keys, after_rowid, upto)
+        if _adbc_sqlite() is not None:
+            group, is_nan, steps, ts, values = _read_sql_arrow(store, run_ids, keys, after_rowid, upto, scan)
+        else:
+            group, is_nan, steps, ts, values = _read_sql_rows(con, run_ids, keys, after_rowid, upto, scan)
     values[is_nan] = np.nan
+    nk = len(keys)
     order = np.argsort(group, kind="stable")
     bounds = np.flatnonzero(np.diff(group[order])) + 1
     out: dict[Pair, RawSeries] = {}
     for idx in np.split(order, bounds) if len(order) else []:
         g = int(group[idx[0]])
-        pair = (run_ids[g // nk], keys[g % nk])
-        out[pair] = RawSeries(rows[idx, 1].astype(np.int64), rows[idx, 2].astype(np.int64), values[idx])
+        out[(run_ids[g // nk], keys[g % nk])] = RawSeries(steps[idx], ts[idx], values[idx])
     return out, upto
+
+
+def _where(n_runs: int, n_keys: int) -> str:
+    return (f"run_uuid IN ({_placeholders(n_runs)}) AND key IN ({_placeholders(n_keys)})"
+            " AND rowid > ? AND rowid <= ?")
+
+
+def _full_scan(con, run_ids: Sequence[str], keys: Sequence[str], after_rowid: int, upto: int) -> bool:
+    """Whether to read the table in rowid order (`NOT INDEXED`) rather than through the (run, key,
+    step) index: one sequential pass beats a random lookup per row (2-3x on 1.6 M rows) when the runs
+    wanted are at least a quarter of the store's runs (counting their rows would cost a pass over the
+    index). An incremental read is a rowid range, which `NOT INDEXED` still uses."""
+    if after_rowid > 0:
+        return True
+    n_runs = con.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+    return len(run_ids) * 4 >= n_runs
+
+
+def _adbc_sqlite():
+    """Apache Arrow's ADBC SQLite driver (reads rows into Arrow arrays in C), or None (not installed,
+    or `RLDIAG_SQL_READER=sqlite3`)."""
+    if os.environ.get("RLDIAG_SQL_READER", "").lower() == "sqlite3":
+        return None
+    try:
+        import adbc_driver_sqlite.dbapi as adbc
+    except ImportError:
+        return None
+    return adbc
+
+
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # group, is_nan, step, ts, value
+
+
+def _read_sql_arrow(store: Store, run_ids: Sequence[str], keys: Sequence[str], after_rowid: int, upto: int,
+                    scan: bool) -> Columns:
+    """The rows through ADBC: no Python object per row (3-5x faster than sqlite3's cursor)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    sql = (f"SELECT run_uuid, key, is_nan, step, timestamp, value FROM metrics{' NOT INDEXED' if scan else ''} "
+           f"WHERE {_where(len(run_ids), len(keys))}")
+    with _adbc_sqlite().connect(f"{store.sqlite_path.as_uri()}?mode=ro") as con, con.cursor() as cur:
+        cur.execute(sql, [*run_ids, *keys, after_rowid, upto])
+        table = cur.fetch_arrow_table()
+    if table.num_rows == 0:  # no rows: ADBC cannot tell the columns' types either
+        return (np.empty(0, np.int64), np.empty(0, bool), np.empty(0, np.int64), np.empty(0, np.int64),
+                np.empty(0, np.float64))
+    run_no = pc.index_in(table["run_uuid"], pa.array(list(run_ids))).to_numpy(zero_copy_only=False)
+    key_no = pc.index_in(table["key"], pa.array(list(keys))).to_numpy(zero_copy_only=False)
+    group = run_no.astype(np.int64) * len(keys) + key_no.astype(np.int64)
+
+    def col(name: str, dtype) -> np.ndarray:
+        return table[name].to_numpy().astype(dtype, copy=True)
+
+    return group, col("is_nan", bool), col("step", np.int64), col("timestamp", np.int64), col("value", np.float64)
+
+
+def _read_sql_rows(con, run_ids: Sequence[str], keys: Sequence[str], after_rowid: int, upto: int,
+                   scan: bool) -> Columns:
+    """The rows through Python's sqlite3 (the fallback without ADBC). Run i, key j and is_nan come
+    packed into one integer, (i * K + j) * 2 + is_nan, so no Python string is built per row, and
+    rows stream into one numpy array (0.6-0.9x the time of `pandas.read_sql`)."""
+    nk = len(keys)
+    run_case = "CASE run_uuid " + " ".join(f"WHEN ? THEN {i * nk}" for i in range(len(run_ids))) + " END"
+    key_case = "CASE key " + " ".join(f"WHEN ? THEN {j}" for j in range(nk)) + " END"
+    sql = (f"SELECT (({run_case}) + ({key_case})) * 2 + is_nan, step, timestamp, value "
+           f"FROM metrics{' NOT INDEXED' if scan else ''} WHERE {_where(len(run_ids), nk)}")
+    cur = con.execute(sql, [*run_ids, *keys, *run_ids, *keys, after_rowid, upto])
+    rows = np.fromiter(itertools.chain.from_iterable(cur), dtype=np.float64).reshape(-1, 4)
+    code = rows[:, 0].astype(np.int64)
+    return (code >> 1, (code & 1).astype(bool), rows[:, 1].astype(np.int64), rows[:, 2].astype(np.int64),
+            rows[:, 3].copy())
 
 
 def max_rowid(con) -> int:

@@ -210,7 +210,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", default=None, metavar="FILE", help="the HTML report's path (overrides --out)")
     p.add_argument("--markdown", default=None, metavar="FILE", help="the Markdown summary's path (overrides --out)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    add_tracking_option(p)
+    add_tracking_option(p, read=True)
 
 
 def run(args: argparse.Namespace) -> int:

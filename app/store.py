@@ -2,13 +2,17 @@
 
 Three kinds, each read its fastest way by `app.histories`:
 - `sqlite`: a local MLflow SQLite file (the embedded default); read with read-only SQL.
-- `rest`: an `mlflow server` over http(s); read with its REST endpoints in parallel.
+- `rest`: an `mlflow server` over http(s); read with its REST endpoints in parallel. Where this
+  machine can open the server's own SQLite backend file (`--backend-store-uri` or
+  $RLDIAG_BACKEND_STORE_URI, the value given to `mlflow server --backend-store-uri`), metric
+  histories are read from that file, read-only, and everything else still through the server.
 - `other`: anything else MLflow's client understands (postgresql://, file:, databricks); read
   through `MlflowClient`.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import urllib.error
 import urllib.request
@@ -23,6 +27,7 @@ from app.errors import StoreUnreachable
 
 StoreKind = Literal["sqlite", "rest", "other"]
 _FIX = "Set MLFLOW_TRACKING_URI (or --tracking-uri) to your store, or unset it to use ./mlruns.db."
+BACKEND_ENV = "RLDIAG_BACKEND_STORE_URI"
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class Store:
 
     uri: str
     kind: StoreKind
-    sqlite_path: Path | None = None
+    sqlite_path: Path | None = None  # the SQLite file read directly (a server's backend, for `rest`)
 
     @cached_property
     def client(self):
@@ -64,8 +69,12 @@ def _connect_ro(path: Path) -> sqlite3.Connection:
     return con
 
 
-def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0) -> Store:
+def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0,
+               backend_store_uri: str | None = None) -> Store:
     """Check that `tracking_uri` (default: rldiag's default store) answers and return its `Store`.
+
+    For a server, `backend_store_uri` (default: $RLDIAG_BACKEND_STORE_URI; "" for none) names its
+    SQLite backend file, to read metric histories from directly.
 
     Raises StoreUnreachable for a SQLite file that is missing or not an MLflow store, or a server
     that does not answer within `timeout_s`. Nothing is created or written.
@@ -74,28 +83,42 @@ def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0) -> St
 
     uri = tracking_uri or default_tracking_uri()
     if uri.startswith("sqlite:"):
-        path = sqlite_path_of(uri)
-        if path is None:
-            raise StoreUnreachable(f"tracking URI {uri!r} is not a SQLite file URI; use sqlite:///path/to/mlruns.db. {_FIX}")
-        if not path.is_file():
-            raise StoreUnreachable(
-                f"no MLflow store at {str(path)!r} (from tracking URI {uri!r}): the file does not exist. "
-                f"Run `rldiag demo` to create one there, or point at your store. {_FIX}"
-            )
-        try:
-            with closing(_connect_ro(path)) as con:
-                tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        except sqlite3.Error as e:
-            raise StoreUnreachable(f"cannot read {str(path)!r} as a SQLite file ({e}). {_FIX}") from None
-        if not {"runs", "metrics", "experiments"} <= tables:
-            raise StoreUnreachable(
-                f"{str(path)!r} is a SQLite file but not an MLflow tracking store (no runs/metrics tables). {_FIX}"
-            )
-        return Store(uri, "sqlite", path)
+        return Store(uri, "sqlite", _check_sqlite(uri, "tracking URI"))
     if uri.startswith(("http://", "https://")):
         _probe(uri, timeout_s)
-        return Store(uri, "rest")
+        backend = os.environ.get(BACKEND_ENV) if backend_store_uri is None else backend_store_uri
+        if not backend:
+            return Store(uri, "rest")
+        if not backend.startswith("sqlite:"):
+            raise StoreUnreachable(
+                f"backend store URI {backend!r}: rldiag reads a server's backend directly only when it is a "
+                f"SQLite file (sqlite:///path/to/mlflow.db). Unset {BACKEND_ENV} (or drop --backend-store-uri) "
+                "to read everything through the server."
+            )
+        return Store(uri, "rest", _check_sqlite(backend, "backend store URI"))
     return Store(uri, "other")
+
+
+def _check_sqlite(uri: str, what: str) -> Path:
+    """The file of a `sqlite:///` URI, checked to be a readable MLflow store (nothing is created)."""
+    path = sqlite_path_of(uri)
+    if path is None:
+        raise StoreUnreachable(f"{what} {uri!r} is not a SQLite file URI; use sqlite:///path/to/mlruns.db. {_FIX}")
+    if not path.is_file():
+        raise StoreUnreachable(
+            f"no MLflow store at {str(path)!r} (from {what} {uri!r}): the file does not exist. "
+            f"Run `rldiag demo` to create one there, or point at your store. {_FIX}"
+        )
+    try:
+        with closing(_connect_ro(path)) as con:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.Error as e:
+        raise StoreUnreachable(f"cannot read {str(path)!r} as a SQLite file ({e}). {_FIX}") from None
+    if not {"runs", "metrics", "experiments"} <= tables:
+        raise StoreUnreachable(
+            f"{str(path)!r} is a SQLite file but not an MLflow tracking store (no runs/metrics tables). {_FIX}"
+        )
+    return path
 
 
 def _probe(uri: str, timeout_s: float) -> None:

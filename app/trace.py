@@ -77,7 +77,7 @@ def build_trace(run_id: str, key: str, source_key: str, raw: RawSeries, flags: R
     steps = np.asarray(raw.steps, np.int64)
     ts = np.asarray(raw.timestamps, np.int64)
     values = np.asarray(raw.values, np.float64)
-    if len(steps) > 1:
+    if len(steps) > 1 and not (steps[1:] > steps[:-1]).all():  # already in order, one row a step: as logged
         order = np.lexsort((values, ts, steps))  # by step, then timestamp, then value
         steps, ts, values = steps[order], ts[order], values[order]
         last = np.empty(len(steps), bool)

@@ -319,7 +319,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--divergence", action="store_true",
                    help="also alert when a candidate run (tag rldiag.role=candidate) leaves the band of the "
                         "reference runs of its rldiag.group")
-    add_tracking_option(p)
+    add_tracking_option(p, read=True)
 
 
 def _interval(raw: str) -> float:

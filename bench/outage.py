@@ -38,7 +38,10 @@ VARIANTS = ("rldiag", "mlflow")
 
 
 # ---- child: one training loop ----------------------------------------------------------------
-def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_timeout: float) -> None:
+def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_timeout: float,
+          cpu: int | None = None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})  # before the writer's threads start: they inherit it
     quiet_mlflow()
     stop, go = folder / "stop", folder / "go"
     if kind == "rldiag":
@@ -58,9 +61,12 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
     while not go.exists():
         time.sleep(0.01)
     rng = random.Random(7)
+    gc_pauses = _record_gc()
     durations: list[float] = []
     lateness: list[float] = []
     worst, worst_at = -1.0, 0.0
+    stamps: list[float] = []
+    gc_in_call: list[float] = []
     t0 = time.monotonic()
     step = 0
     while not stop.exists():
@@ -73,14 +79,22 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
         t = time.perf_counter()
         log(m, step)
         d = time.perf_counter() - t
+        if gc_pauses and gc_pauses[-1][0] >= t:  # a collection ran inside this call
+            gc_in_call.append(d)
         if d > worst:
             worst, worst_at = d, time.monotonic() - t0
         durations.append(d)
+        stamps.append(time.monotonic() - t0)
         step += 1
     t_loop = time.monotonic() - t0
     res: dict = {"kind": kind, "steps": step, "loop_s": t_loop, "expected_points": step * len(METRIC_KEYS),
                  "log_call": summarize_ms(durations), "worst_stall_at_s": worst_at,
-                 "lateness": summarize_ms(lateness), "error": None}
+                 "lateness": summarize_ms(lateness), "error": None,
+                 "log_call_at_s": stamps, "log_call_ms": [x * 1e3 for x in durations],
+                 "gc": {"collections": len(gc_pauses), "max_ms": max((p[1] for p in gc_pauses), default=0.0) * 1e3,
+                        "gen2": sum(p[2] == 2 for p in gc_pauses),
+                        "log_calls_with_gc": len(gc_in_call),
+                        "longest_log_call_with_gc_ms": max(gc_in_call, default=0.0) * 1e3}}
     t = time.perf_counter()
     try:
         if kind == "rldiag":
@@ -101,6 +115,24 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
     (folder / "result.json").write_text(json.dumps(res))
 
 
+def _record_gc() -> list[tuple[float, float, int]]:
+    """(start, seconds, generation) of every garbage collection in this process, from now on: a full
+    collection of a big heap can stall whichever thread triggered it, rldiag or not."""
+    import gc
+
+    pauses: list[tuple[float, float, int]] = []
+    started = [0.0]
+
+    def cb(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((started[0], time.perf_counter() - started[0], info["generation"]))
+
+    gc.callbacks.append(cb)
+    return pauses
+
+
 # ---- parent: server, outage, counting -------------------------------------------------------
 def _wait_for(path: Path, timeout: float, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout
@@ -111,6 +143,15 @@ def _wait_for(path: Path, timeout: float, proc: subprocess.Popen) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"child not ready within {timeout}s")
         time.sleep(0.1)
+
+
+def _by_phase(at_s: list[float], ms: list[float], kill_at: float, up_at: float) -> dict:
+    """Longest log call and p99 before the kill, while the server is down, and after it is back."""
+    phases = {"before": [], "outage": [], "after": []}
+    for t, d in zip(at_s, ms):
+        phases["before" if t < kill_at else "outage" if t < up_at else "after"].append(d)
+    return {k: {"n": len(v), "max_ms": max(v, default=0.0), "p99_ms": sorted(v)[int(0.99 * (len(v) - 1))] if v else 0.0}
+            for k, v in phases.items()}
 
 
 def _one_variant(v: str, server: MlflowServer, exp: str, folder: Path, repo: Path, args) -> dict:
@@ -124,6 +165,8 @@ def _one_variant(v: str, server: MlflowServer, exp: str, folder: Path, repo: Pat
         env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "1"
     cmd = [sys.executable, "-m", "bench.outage", "--child", v, "--uri", server.uri, "--run-id", run_id,
            "--dir", str(folder), "--rate", str(args.rate), "--close-timeout", str(args.close_timeout)]
+    if args.pin:
+        cmd += ["--cpu", "1"]
     with open(folder / "child.log", "wb") as logf:
         proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=logf, stderr=subprocess.STDOUT)
     try:
@@ -160,6 +203,7 @@ def _one_variant(v: str, server: MlflowServer, exp: str, folder: Path, repo: Pat
     r["child_log_error_lines"] = sum(1 for line in log_text.splitlines() if "ERROR" in line)
     r["child_log_tail"] = log_text[-1500:]
     r["child_log_first_errors"] = [line[:300] for line in log_text.splitlines() if "ERROR" in line][:5]
+    r["log_call_by_phase"] = _by_phase(r.pop("log_call_at_s"), r.pop("log_call_ms"), t_kill - t_go, t_up - t_go)
     r["timeline"] = {"kill_at_s": t_kill - t_go, "down_s": t_up - t_kill, "restart_startup_s": restart_s,
                      "up_at_s": t_up - t_go, "stop_at_s": t_stop - t_go, "child_done_after_stop_s": t_done - t_stop}
     print(f"[{v}] {r['lost']} of {r['expected_points']} points lost, {r['duplicated']} duplicated; "
@@ -175,13 +219,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--post-s", type=float, default=10.0, help="logging after the server answers again")
     ap.add_argument("--rate", type=float, default=20.0, help="steps per second")
     ap.add_argument("--close-timeout", type=float, default=300.0, help="rldiag close(timeout=)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="server on CPU 0, the training process on CPU 1, as if the server ran on another "
+                         "machine (default; --no-pin lets them share both cores)")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--cpu", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--uri", help=argparse.SUPPRESS)
     ap.add_argument("--run-id", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.uri, args.run_id, Path(args.dir), args.rate, args.close_timeout)
+        child(args.child, args.uri, args.run_id, Path(args.dir), args.rate, args.close_timeout, args.cpu)
         return {}
     if args.quick:
         args.outage_s = min(args.outage_s, 10.0)
@@ -190,6 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
     from mlflow.tracking import MlflowClient
 
     repo = Path(__file__).resolve().parent.parent
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            ap.error("--pin needs 2 CPUs; use --no-pin")
+        os.sched_setaffinity(0, {0})  # this process and the server it starts; the child moves to CPU 1
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="rldiag-bench-") as d:
         work = Path(d)
@@ -203,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             server.kill()
     out = {"benchmark": NAME, "quick": args.quick, "env": env_info(), "rate_steps_per_s": args.rate, "metrics_per_step": len(METRIC_KEYS),
-           "outage_s": args.outage_s, "pre_s": args.pre_s, "post_s": args.post_s,
+           "outage_s": args.outage_s, "pinned": args.pin, "pre_s": args.pre_s, "post_s": args.post_s,
            "first_server_start_s": first_start_s, **results}
     print(f"\n{'variant':<8}{'down s':>7}{'steps':>7}{'expected':>10}{'stored':>8}{'lost':>7}{'dup':>5}"
           f"{'stall ms':>10}{'p99 ms':>8}{'drain s':>9}  error")

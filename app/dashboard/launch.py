@@ -33,7 +33,7 @@ def _port(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_tracking_option(p)
+    add_tracking_option(p, read=True)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to serve on (default: 127.0.0.1; 0.0.0.0 serves the whole network)")
     p.add_argument("--port", type=_port, default=8501, help="TCP port (default: 8501)")

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.errors import RunNotFound
+from app.errors import RunNotFound, StoreUnreachable
 from app.histories import Histories, load_histories, nonfinite_table
 from app.nonfinite import MAX_FLOAT
+from app.store import open_store
 from collectors import keys
 from tests.app.conftest import T0_MS, log_raw, write_run
 
@@ -57,7 +58,17 @@ def _assert_same(a: Histories, b: Histories) -> None:
         np.testing.assert_array_equal(ta.timestamps, tb.timestamps, err_msg=str(k))
 
 
-def test_sql_fast_path_equals_mlflow_client(store_uri):
+@pytest.fixture(params=["adbc", "sqlite3"])
+def sql_reader(request, monkeypatch):
+    """Both SQLite readers: ADBC (the default) and Python's sqlite3 (the fallback)."""
+    from app import history_readers
+
+    monkeypatch.setenv("RLDIAG_SQL_READER", request.param)
+    assert (history_readers._adbc_sqlite() is not None) == (request.param == "adbc")  # ADBC is installed
+    return request.param
+
+
+def test_sql_fast_path_equals_mlflow_client(store_uri, sql_reader):
     from mlflow import MlflowClient
 
     a = _rldiag_run(store_uri)
@@ -142,7 +153,23 @@ def test_runs_aligned_by_step(store_uri):
     assert delta.values[2, col] == (2.0 + 2) - (1.0 + 2) and not delta.present[3, col]
 
 
-def test_incremental_reload_fetches_only_new_rows(store_uri):
+@pytest.mark.parametrize("full_scan", [True, False])
+def test_sql_table_scan_and_index_read_the_same_rows(store_uri, sql_reader, monkeypatch, full_scan):
+    from app import history_readers
+
+    a, b = _rldiag_run(store_uri, name="a"), _trl_run(store_uri)
+    for i in range(7):  # most of the store: a and b are read through the index
+        _rldiag_run(store_uri, name=f"not loaded {i}", n=3, seed=3)
+    with open_store(store_uri).read_only() as con:
+        logged = [k for (k,) in con.execute("SELECT DISTINCT key FROM metrics")]
+        assert not history_readers._full_scan(con, [a, b], logged, 0, history_readers.max_rowid(con))
+        assert history_readers._full_scan(con, [a, b], logged, 1, history_readers.max_rowid(con))  # incremental
+    expected = load_histories(store_uri, [a, b], method="client")
+    monkeypatch.setattr(history_readers, "_full_scan", lambda *args: full_scan)
+    _assert_same(load_histories(store_uri, [a, b]), expected)
+
+
+def test_incremental_reload_fetches_only_new_rows(store_uri, sql_reader):
     live = _rldiag_run(store_uri, name="live", n=50, finish=False)
     h1 = load_histories(store_uri, [live])
     assert h1.fetched == 50 * 2 + 17 + 2  # grad/norm, loss, ratio every 3rd step, 2 inf flags
@@ -179,6 +206,17 @@ def test_tracking_server_rest_path_equals_client_and_sql(mlflow_server, monkeypa
     client = load_histories(uri, [a, b], method="client")
     _assert_same(rest, client)
     _assert_same(rest, load_histories(f"sqlite:///{mlflow_server.db}", [a, b]))  # the server's own file
+    # The server with its backend file given (--backend-store-uri): histories straight from the file.
+    monkeypatch.setenv("RLDIAG_BACKEND_STORE_URI", f"sqlite:///{mlflow_server.db}")
+    direct = load_histories(uri, [a, b])
+    assert direct.method == "sql" and open_store(uri).kind == "rest"
+    _assert_same(direct, client)
+    monkeypatch.setenv("RLDIAG_BACKEND_STORE_URI", "postgresql://u@db/mlflow")
+    with pytest.raises(StoreUnreachable, match="only when it is a SQLite file.*Unset RLDIAG_BACKEND_STORE_URI"):
+        open_store(uri)
+    with pytest.raises(StoreUnreachable, match="no MLflow store at .*nowhere.db"):
+        open_store(uri, backend_store_uri="sqlite:///nowhere.db")
+    monkeypatch.delenv("RLDIAG_BACKEND_STORE_URI")
     monkeypatch.setattr(history_readers, "_BULK_MAX", 37)  # the bulk endpoint's cap, hit: continued by offset
     _assert_same(load_histories(uri, [a, b]), client)
 
