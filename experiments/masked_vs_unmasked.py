@@ -49,10 +49,10 @@ PAD_ID = 0  # token id at padded completion positions
 DEFAULT_EXPERIMENT = "rldiag-masked-vs-unmasked"
 
 # This experiment's own metrics (the canonical ones come from collectors.keys).
-LOSS_SUPPORT = "distill/loss_support"  # the top-1 support slot(s) of the loss
-LOSS_TAIL = "distill/loss_tail"  # the tail-bucket slot of the loss; support + tail = loss
-TEACHER_NONFINITE = "distill/teacher_nonfinite"  # -inf teacher logprobs that reached the divergence math
-PADDING_TOKENS = "distill/padding_tokens"  # padded completion positions over the step's micro-batches
+LOSS_SUPPORT = keys.DISTILL_LOSS_SUPPORT
+LOSS_TAIL = keys.DISTILL_LOSS_TAIL
+TEACHER_NONFINITE = keys.DISTILL_TEACHER_NONFINITE
+PADDING_TOKENS = keys.DISTILL_PADDING_TOKENS
 
 
 @dataclass(frozen=True)

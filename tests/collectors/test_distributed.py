@@ -20,7 +20,8 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from collectors import Monitor, policy_metrics
+    from collectors import Monitor
+    from tests.gloo_job import gloo_step
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -30,18 +31,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     with Monitor("dist", run_name="gloo", tracking_uri=uri, policy="skip", per_rank=True,
                  spill_dir=os.path.join(out_dir, f"spill{rank}")) as mon:
         for step in range(4):
-            x = torch.ones(2, 3) * (rank + 1)
-            loss = model(x).pow(2).mean()
-            if rank == 1 and step == NAN_STEP:  # finite loss, NaN gradient in model[1].bias on rank 1 only
-                b = model[1].bias
-                loss = loss + 0.0 * ((b - b.detach()) ** 2).sum().sqrt()
-            loss.backward()
-            # Rank 0: 3 valid tokens, 1 outside the clip band; rank 1: 1 valid token, outside the band.
-            lp_old = torch.zeros(1, 4)
-            mask = torch.tensor([[1, 1, 1, 0]] if rank == 0 else [[1, 0, 0, 0]], dtype=torch.bool)
-            lp_new = torch.tensor([[0.5, 0.0, 0.0, 0.0]] if rank == 0 else [[0.5, 0.0, 0.0, 0.0]])
-            rewards = torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([5.0])
-            stats = policy_metrics(lp_new, lp_old, mask, rewards=rewards)
+            loss, stats = gloo_step(model, rank, step, nan_step=NAN_STEP)
             go = mon.step(step, model, loss=loss, metrics=stats)
             results.append({"step": step, "go": go, "finite": mon.last_report.finite,
                             "names": mon.last_report.nonfinite_params})

@@ -40,7 +40,8 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from collectors import Monitor, policy_metrics
+    from collectors import Monitor
+    from tests.gloo_job import gloo_step
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     torch.set_num_threads(1)
@@ -57,17 +58,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
             Path(out_dir, "run_id.tmp").write_text(mon.run_id)
             os.replace(Path(out_dir, "run_id.tmp"), Path(out_dir, "run_id"))
         for step in range(STEPS):
-            x = torch.ones(2, 3) * (rank + 1) * (1 + step / STEPS)
-            loss = model(x).pow(2).mean()
-            if rank == 1 and step == NAN_STEP:  # finite loss, NaN gradient in model[1].bias on rank 1 only
-                b = model[1].bias
-                loss = loss + 0.0 * ((b - b.detach()) ** 2).sum().sqrt()
-            loss.backward()
-            lp_old = torch.zeros(1, 4)
-            mask = torch.tensor([[1, 1, 1, 0]] if rank == 0 else [[1, 0, 0, 0]], dtype=torch.bool)
-            lp_new = torch.tensor([[0.5, 0.0, 0.0, 0.0]]) * (step % 3)
-            rewards = torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([5.0])
-            stats = policy_metrics(lp_new, lp_old, mask, rewards=rewards)
+            loss, stats = gloo_step(model, rank, step, nan_step=NAN_STEP, x_scale=1 + step / STEPS, lp_scale=step % 3)
             go = mon.step(step, model, loss=loss, metrics=stats)
             rep = mon.last_report
             records.append({"step": step, "go": go, "finite": rep.finite, "norm": rep.norm,
