@@ -24,8 +24,8 @@ from app.store import Store, open_store
 from app.trace import RawSeries, Trace, build_trace
 from collectors.keys import ALIASES, INF_FLAG_PREFIX, canonical_key, inf_flag_key
 
-Method = Literal["auto", "sql", "rest", "client"]
-METHODS: tuple[str, ...] = ("auto", "sql", "rest", "client")
+Method = Literal["auto", "sql", "pgsql", "rest", "client"]
+METHODS: tuple[str, ...] = ("auto", "sql", "pgsql", "rest", "client")
 
 
 def logged_keys_for(keys: Iterable[str]) -> frozenset[str]:
@@ -102,11 +102,16 @@ def pick_method(store: Store, method: Method = "auto") -> str:
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
     if method == "auto":
+        if store.postgres_dsn is not None:
+            return "pgsql"
         return "sql" if store.sqlite_path is not None else {"rest": "rest"}.get(store.kind, "client")
     if method == "sql" and store.sqlite_path is None:
         raise ValueError(f"method='sql' reads SQLite files only; {store.uri!r} is a {store.kind} store"
                          f"{' without a backend file (--backend-store-uri)' if store.kind == 'rest' else ''}: "
                          "use method='auto'")
+    if method == "pgsql" and store.postgres_dsn is None:
+        raise ValueError(f"method='pgsql' reads a server's PostgreSQL backend, given as --backend-store-uri; "
+                         f"{store.uri!r} has none: use method='auto'")
     if method == "rest" and store.kind != "rest":
         raise ValueError(f"method='rest' needs an http(s) tracking server; {store.uri!r} is a {store.kind} "
                          "store: use method='auto'")
@@ -125,8 +130,8 @@ def load_histories(
     """Every point of `keys` (canonical or alias names; None: every key) for `run_ids`.
 
     With `previous` (an earlier result for the same store), only rows written since are fetched for
-    the runs and keys it already holds. SQLite: rows after the last rowid read. Server and client:
-    keys whose latest (step, timestamp) moved; the server path then asks only for rows past those
+    the runs and keys it already holds. SQLite: rows after the last rowid read. Server, its PostgreSQL
+    backend and client: keys whose latest (step, timestamp) moved; the server and PostgreSQL paths then ask only for rows past those
     already loaded, the client path reloads those keys. (Off SQLite, a point written with an older
     step and timestamp than a key's latest shows up only on a reload without `previous`.)
     """
@@ -159,9 +164,10 @@ def load_histories(
                   if wanted is None or k in wanted}
         todo = [p for p in latest if previous is None or p[0] in fresh or previous._latest.get(p) != latest[p]]
         rows = {p: n for p, n in (previous._rows.items() if previous else ()) if p[0] in known}
-        if how == "rest":
+        if how in ("rest", "pgsql"):
             offsets = [(r, k, rows.get((r, k), 0) if r in known else 0) for r, k in todo]
-            new = readers.read_rest(store, offsets, max_workers=max_workers)
+            read = readers.read_rest if how == "rest" else readers.read_postgres
+            new = read(store, offsets, max_workers=max_workers)
             for r, k, off in offsets:
                 rows[(r, k)] = off + len(new[(r, k)].steps)
         else:

@@ -3,9 +3,10 @@
 Three kinds, each read its fastest way by `app.histories`:
 - `sqlite`: a local MLflow SQLite file (the embedded default); read with read-only SQL.
 - `rest`: an `mlflow server` over http(s); read with its REST endpoints in parallel. Where this
-  machine can open the server's own SQLite backend file (`--backend-store-uri` or
-  $RLDIAG_BACKEND_STORE_URI, the value given to `mlflow server --backend-store-uri`), metric
-  histories are read from that file, read-only, and everything else still through the server.
+  machine can reach the server's own backend store (`--backend-store-uri` or
+  $RLDIAG_BACKEND_STORE_URI, what `mlflow server --backend-store-uri` was given: a SQLite file or a
+  PostgreSQL database, ideally as a read-only role), metric histories are read from it directly,
+  read-only, and everything else still through the server.
 - `other`: anything else MLflow's client understands (postgresql://, file:, databricks); read
   through `MlflowClient`.
 """
@@ -37,6 +38,7 @@ class Store:
     uri: str
     kind: StoreKind
     sqlite_path: Path | None = None  # the SQLite file read directly (a server's backend, for `rest`)
+    postgres_dsn: str | None = None  # a server's PostgreSQL backend, read directly (libpq URI)
 
     @cached_property
     def client(self):
@@ -89,14 +91,44 @@ def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0,
         backend = os.environ.get(BACKEND_ENV) if backend_store_uri is None else backend_store_uri
         if not backend:
             return Store(uri, "rest")
-        if not backend.startswith("sqlite:"):
-            raise StoreUnreachable(
-                f"backend store URI {backend!r}: rldiag reads a server's backend directly only when it is a "
-                f"SQLite file (sqlite:///path/to/mlflow.db). Unset {BACKEND_ENV} (or drop --backend-store-uri) "
-                "to read everything through the server."
-            )
-        return Store(uri, "rest", _check_sqlite(backend, "backend store URI"))
+        if backend.startswith("sqlite:"):
+            return Store(uri, "rest", _check_sqlite(backend, "backend store URI"))
+        if backend.startswith("postgresql"):
+            return Store(uri, "rest", postgres_dsn=_check_postgres(backend, timeout_s))
+        raise StoreUnreachable(
+            f"backend store URI {backend!r}: rldiag reads a server's backend directly when it is a SQLite file "
+            f"(sqlite:///path/to/mlflow.db) or PostgreSQL (postgresql://user:password@host:5432/mlflow). Unset "
+            f"{BACKEND_ENV} (or drop --backend-store-uri) to read everything through the server."
+        )
     return Store(uri, "other")
+
+
+def postgres_dsn_of(uri: str) -> str:
+    """libpq's URI for an SQLAlchemy one: `postgresql+psycopg2://...` -> `postgresql://...`."""
+    scheme, sep, rest = uri.partition("://")
+    return f"postgresql{sep}{rest}" if scheme.split("+", 1)[0] in ("postgresql", "postgres") else uri
+
+
+def _check_postgres(uri: str, timeout_s: float) -> str:
+    """The libpq URI of an MLflow PostgreSQL backend, checked by opening a read-only connection."""
+    from app.history_readers import connect_postgres
+
+    dsn = postgres_dsn_of(uri)
+    shown = uri.split("@", 1)[-1]  # never echo the password
+    try:
+        with closing(connect_postgres(dsn, timeout_s)) as con, con.cursor() as cur:
+            cur.execute("SELECT to_regclass('metrics') IS NOT NULL AND to_regclass('runs') IS NOT NULL")
+            ok = cur.fetchone()[0]
+    except ImportError:
+        raise StoreUnreachable("reading a PostgreSQL backend needs psycopg2: pip install psycopg2-binary") from None
+    except Exception as e:  # noqa: BLE001 - psycopg2's errors: bad password, no such host or database
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StoreUnreachable(f"cannot read the backend store at ...@{shown} ({first}). Check the URI and that "
+                               f"this machine may connect, or unset {BACKEND_ENV}.") from None
+    if not ok:
+        raise StoreUnreachable(f"the database at ...@{shown} has no MLflow tables (metrics, runs): is it the "
+                               "server's --backend-store-uri?")
+    return dsn
 
 
 def _check_sqlite(uri: str, what: str) -> Path:

@@ -211,8 +211,12 @@ def test_tracking_server_rest_path_equals_client_and_sql(mlflow_server, monkeypa
     direct = load_histories(uri, [a, b])
     assert direct.method == "sql" and open_store(uri).kind == "rest"
     _assert_same(direct, client)
-    monkeypatch.setenv("RLDIAG_BACKEND_STORE_URI", "postgresql://u@db/mlflow")
-    with pytest.raises(StoreUnreachable, match="only when it is a SQLite file.*Unset RLDIAG_BACKEND_STORE_URI"):
+    monkeypatch.setenv("RLDIAG_BACKEND_STORE_URI", "postgresql+psycopg2://rl:s3cret@127.0.0.1:1/mlflow")
+    with pytest.raises(StoreUnreachable, match="cannot read the backend store at ...@127.0.0.1:1/mlflow") as e:
+        open_store(uri)
+    assert "s3cret" not in str(e.value)  # the password is never echoed
+    monkeypatch.setenv("RLDIAG_BACKEND_STORE_URI", "mysql://u@db/mlflow")
+    with pytest.raises(StoreUnreachable, match="a SQLite file .* or PostgreSQL .*Unset RLDIAG_BACKEND_STORE_URI"):
         open_store(uri)
     with pytest.raises(StoreUnreachable, match="no MLflow store at .*nowhere.db"):
         open_store(uri, backend_store_uri="sqlite:///nowhere.db")

@@ -22,6 +22,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from app.histories import load_histories, nonfinite_table
+from app.store import open_store
 from bench._server import MlflowServer
 from collectors import keys
 from tests.conftest import free_port
@@ -111,13 +112,16 @@ def test_gloo_job_through_postgres_backed_server(tmp_path, postgres_server, post
         t0 = time.monotonic()
         ctx = mp.start_processes(_worker, args=(2, free_port(), server.uri, str(tmp_path)), nprocs=2,
                                  join=False, start_method="spawn")
-        # The read side follows the run while the job writes: incremental reloads over REST.
-        h, polls, halfway_steps = None, 0, None
+        # The read side follows the run while the job writes: incremental reloads over REST, and
+        # straight from the server's database (--backend-store-uri, a read-only connection).
+        via_db = open_store(server.uri, backend_store_uri=postgres_url)
+        h, hdb, polls, halfway_steps = None, None, 0, None
         while not ctx.join(timeout=POLL_S):
             if (tmp_path / "run_id").exists():
                 run_id = (tmp_path / "run_id").read_text()
                 paused = (tmp_path / "halfway").exists() and halfway_steps is None
                 h = load_histories(server.uri, [run_id], previous=h)
+                hdb = load_histories(via_db, [run_id], previous=hdb)
                 polls += 1
                 if paused:  # the job is held after HALF with everything up to it delivered
                     halfway_steps = {k: t.steps.tolist() for (_, k), t in h.traces.items()}
@@ -139,6 +143,8 @@ def test_gloo_job_through_postgres_backed_server(tmp_path, postgres_server, post
         full_s = time.monotonic() - t1
         incremental = load_histories(server.uri, [run_id], previous=h)  # the followed load, caught up
         direct = load_histories(postgres_url, [run_id])  # MlflowClient straight on the database
+        db_full = load_histories(via_db, [run_id])  # rldiag's PostgreSQL reader, fresh
+        db_followed = load_histories(via_db, [run_id], previous=hdb)  # ...and followed, caught up
         db = _db_rows(postgres_server, run_id)
 
         # What the database holds is every point the writer was told was delivered, once.
@@ -161,6 +167,10 @@ def test_gloo_job_through_postgres_backed_server(tmp_path, postgres_server, post
             np.testing.assert_array_equal(t.timestamps, stamps, err_msg=key)
         _assert_same_traces(full, incremental)
         _assert_same_traces(full, direct)
+        assert db_full.method == db_followed.method == "pgsql"
+        _assert_same_traces(full, db_full)
+        _assert_same_traces(full, db_followed)
+        assert db_followed.fetched < n_db  # caught up from where it was: only the newest rows
 
         # The NaN: grad/finite 0 at the injected step only, grad/norm NaN there, as rank 0 saw it.
         finite = full.get(run_id, keys.GRAD_FINITE)
