@@ -131,8 +131,8 @@ def load_histories(
 
     With `previous` (an earlier result for the same store), only rows written since are fetched for
     the runs and keys it already holds. SQLite: rows after the last rowid read. Server, its PostgreSQL
-    backend and client: keys whose latest (step, timestamp) moved; the server and PostgreSQL paths then ask only for rows past those
-    already loaded, the client path reloads those keys. (Off SQLite, a point written with an older
+    backend and client: keys whose latest (step, timestamp) moved; the server and PostgreSQL paths then
+    ask only for rows past those already loaded, the client path reloads those keys. (Off SQLite, a point written with an older
     step and timestamp than a key's latest shows up only on a reload without `previous`.)
     """
     store = store if isinstance(store, Store) else open_store(store)
