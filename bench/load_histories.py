@@ -14,6 +14,9 @@ which fetches only the new rows. With `--server-runs N`, a local `mlflow server 
 copy of the same file and the first N runs are read three ways: rldiag over REST (parallel
 `get-history`), rldiag given the server's backend file (`--backend-store-uri`: histories read from
 the file, everything else through the server), and `MlflowClient.get_metric_history` over REST.
+With `--postgres-runs N`, the same for a server over a real PostgreSQL (Debian's, started on
+127.0.0.1 by `tests/postgres.py`) holding a copy of the first N runs: rldiag over REST, rldiag
+reading the database directly (`--backend-store-uri postgresql://...`), and the client.
 
 The store is made once by MLflow (schema, experiment, runs, tags) and filled by direct SQL inserts
 (log_batch would take minutes), then cached under /tmp; a NaN, a +inf (with rldiag's flag) and a -inf
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds of rldiag and raw SQL (alternating)")
     ap.add_argument("--skip-client", action="store_true", help="skip MlflowClient (about a minute)")
     ap.add_argument("--server-runs", type=int, default=0, help="also read N runs over a local mlflow server")
+    ap.add_argument("--postgres-runs", type=int, default=0,
+                    help="also read N runs over a local mlflow server backed by PostgreSQL")
     args = ap.parse_args(argv)
     quiet_mlflow()
 
@@ -158,9 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"speed-up rldiag vs MlflowClient: {client_s / statistics.median(rl):.1f}x")
 
     server = time_server(path, ids[: args.server_runs], metric_keys) if args.server_runs else None
+    postgres = time_postgres(path, ids[: args.postgres_runs], metric_keys) if args.postgres_runs else None
 
     result = {
-        "server": server,
+        "server": server, "postgres": postgres,
         "env": env_info(), "runs": args.runs, "metrics": args.metrics, "steps": args.steps, "points": expected,
         "rldiag_s": rl, "raw_sql_s": raw, "ratio_vs_raw_sql": ratio, "warm_reload_s": warm,
         "warm_new_points": new_points, "client_s": client_s, "complete": points == expected,
@@ -169,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
                         f"raw SQL {statistics.median(raw):.2f} s", f"{ratio:.2f}x", f"<= {GOAL}x", ratio <= GOAL),
             summary_row("warm reload, SQLite", f"{warm:.3f} s", "-", "-", f"<= {WARM_GOAL_S} s", warm <= WARM_GOAL_S),
             *(_server_rows(server) if server else []),
+            *(_postgres_rows(postgres) if postgres else []),
         ],
     }
     print(f"results: {write_result(NAME, result)}")
@@ -219,6 +226,88 @@ def _server_rows(server: dict) -> list:
                     client, f"{server['speedup_backend_file']:.1f}x", f">= {SERVER_GOAL:g}x",
                     server["speedup_backend_file"] >= SERVER_GOAL),
     ]
+
+
+def _postgres_rows(pg: dict) -> list:
+    what = f"full histories over a PostgreSQL-backed mlflow server, {pg['runs']} runs"
+    client = f"MlflowClient {pg['client_s']:.2f} s"
+    return [
+        summary_row(f"{what}: REST", f"{pg['rldiag_s']:.2f} s", client, f"{pg['speedup']:.1f}x",
+                    f">= {SERVER_GOAL:g}x", pg["speedup"] >= SERVER_GOAL),
+        summary_row(f"{what}: database given (--backend-store-uri)", f"{pg['rldiag_backend_db_s']:.2f} s",
+                    client, f"{pg['speedup_backend_db']:.1f}x", f">= {SERVER_GOAL:g}x",
+                    pg["speedup_backend_db"] >= SERVER_GOAL),
+    ]
+
+
+# MLflow's tables that hold one experiment's runs, copied SQLite -> PostgreSQL (same columns in both).
+_COPY_TABLES = ("experiments", "runs", "tags", "params", "metrics", "latest_metrics")
+
+
+def _copy_runs_to_postgres(path: Path, ids: list[str], dsn: str) -> None:
+    """Copy `ids` (and their experiment) from the SQLite store into an MLflow PostgreSQL database whose
+    schema a server has just created."""
+    import csv
+    import io
+
+    import psycopg2
+
+    src = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    exp = src.execute(f"SELECT DISTINCT experiment_id FROM runs WHERE run_uuid IN ({','.join('?' * len(ids))})",
+                      ids).fetchall()
+    with psycopg2.connect(dsn) as con, con.cursor() as cur:
+        for table in _COPY_TABLES:
+            if table == "experiments":
+                where, params = f"experiment_id IN ({','.join('?' * len(exp))})", [e for (e,) in exp]
+            else:
+                where, params = f"run_uuid IN ({','.join('?' * len(ids))})", ids
+            rows = src.execute(f"SELECT * FROM {table} WHERE {where}", params)
+            cols = [d[0] for d in rows.description]
+            buf = io.StringIO()
+            w = csv.writer(buf)
+            for r in rows:
+                w.writerow(["\\N" if v is None else v for v in r])
+            buf.seek(0)
+            cur.copy_expert(f"COPY {table} ({','.join(cols)}) FROM STDIN WITH (FORMAT csv, NULL '\\N')", buf)
+        cur.execute("ANALYZE")
+
+
+def time_postgres(path: Path, ids: list[str], metric_keys) -> dict:
+    """rldiag over REST, rldiag on the database, and MlflowClient, against a PostgreSQL-backed server."""
+    import shutil
+
+    from app.histories import load_histories
+    from app.store import open_store
+    from bench._server import MlflowServer
+    from mlflow.tracking import MlflowClient
+    from tests.postgres import PostgresServer
+
+    root = Path(tempfile.mkdtemp(prefix="rldiag-bench-pg-"))
+    try:
+        with PostgresServer() as pg, MlflowServer(root, backend_store_uri=pg.url) as server:
+            t0 = time.perf_counter()
+            _copy_runs_to_postgres(path, ids, pg.dsn_for(pg.database))
+            print(f"copied {len(ids)} runs into PostgreSQL in {time.perf_counter() - t0:.1f} s", flush=True)
+            load_histories(server.uri, ids[:1], metric_keys[:1])  # first request: lazy imports server-side
+            t0 = time.perf_counter()
+            h = load_histories(server.uri, ids, metric_keys)
+            rl = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            hd = load_histories(open_store(server.uri, backend_store_uri=pg.url), ids, metric_keys)
+            rd = time.perf_counter() - t0
+            client = MlflowClient(server.uri)
+            t0 = time.perf_counter()
+            n = sum(len(client.get_metric_history(r, k)) for r in ids for k in metric_keys)
+            cl = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    points = sum(len(t) for t in h.traces.values())
+    assert hd.method == "pgsql" and points == sum(len(t) for t in hd.traces.values()) == n, \
+        "REST, database and client reads differ"
+    print(f"PostgreSQL-backed server, {len(ids)} runs: rldiag REST {rl:.2f} s ({points} points), rldiag on the "
+          f"database {rd:.2f} s, MlflowClient {cl:.2f} s; speed-up {cl / rl:.1f}x (REST), {cl / rd:.1f}x (database)")
+    return {"runs": len(ids), "rldiag_s": rl, "rldiag_backend_db_s": rd, "client_s": cl, "speedup": cl / rl,
+            "speedup_backend_db": cl / rd, "points": points}
 
 
 def load_histories_again(uri, ids, metric_keys, previous):
