@@ -141,3 +141,27 @@ def test_a_run_of_a_million_points_loads_and_draws_bounded(tmp_path):
     assert np.asarray(by_name["big NaN"].x).tolist() == [7, 500_000]
     assert np.asarray(by_name["big +inf"].x).tolist() == [999_999]
     assert len(pio.to_json(fig)) < 200_000  # what the browser gets stays small
+
+
+@pytest.mark.parametrize("options", [ChartOptions(), ChartOptions(delta=True, smoothing=0.5, log_y=True, first=5, last=250)])
+def test_figure_is_what_plotly_validates(options):
+    """metric_figure skips plotly's per-property validation for speed: its JSON must be exactly what
+    plotly's validated figure of the same content gives (no shorthand plotly.js would misread)."""
+    import plotly.graph_objects as go
+
+    rng = np.random.default_rng(3)
+    refs = {f"s{i}": _trace(f"s{i}", 1 + 0.01 * rng.standard_normal(300)) for i in range(3)}
+    values = 1 + 0.01 * rng.standard_normal(300)
+    values[150:] += 0.2
+    values[[7, 200]] = [np.nan, np.inf]
+    values[201] = -np.inf
+    cand = _trace("c", values)
+    divs = {"c": detect_divergence(list(refs.values()), cand)}
+    assert divs["c"].diverged
+    fig = metric_figure("policy/ratio_mean", {**refs, "c": cand}, reference_ids=list(refs), divergences=divs,
+                        labels={"c": "<b>v1</b> %{y}"}, options=options)
+    ours = json.loads(fig.to_json())
+    validated = json.loads(go.Figure(fig.to_dict()).to_json())
+    assert ours == validated
+    assert ours["layout"]["template"]["layout"]["plot_bgcolor"] == "white"  # plotly_white, expanded for plotly.js
+    assert ours["layout"]["shapes"][0]["x0"] == divs["c"].onset_step
