@@ -41,6 +41,9 @@ class Latest(NamedTuple):
     timestamp: int
 
 
+BUSY_TIMEOUT_MS = 30_000  # how long a read waits for a writer's lock (training jobs writing the same file)
+
+
 def _placeholders(n: int) -> str:
     return ",".join("?" * n)
 
@@ -69,7 +72,7 @@ def read_sql(
         if not keys or upto <= after_rowid:
             return {}, upto
         scan = _full_scan(con, run_ids, keys, after_rowid, upto)
-        if _adbc_sqlite() is not None:
+        if _adbc_sqlite() is not None and not store.writes_here:
             columns = _read_sql_arrow(store, run_ids, keys, after_rowid, upto, scan)
         else:
             columns = _read_sql_rows(con, run_ids, keys, after_rowid, upto, scan)
@@ -94,7 +97,12 @@ def _full_scan(con, run_ids: Sequence[str], keys: Sequence[str], after_rowid: in
 
 def _adbc_sqlite():
     """Apache Arrow's ADBC SQLite driver (reads rows into Arrow arrays in C), or None (not installed,
-    or `RLDIAG_SQL_READER=sqlite3`)."""
+    or `RLDIAG_SQL_READER=sqlite3`).
+
+    It links its own copy of SQLite. Across processes that changes nothing (each respects the others'
+    file locks, and a read waits up to BUSY_TIMEOUT_MS for a writer), but within one process the
+    two copies do not see each other's POSIX locks: only read-only processes use it (see
+    `Store.writes_here`)."""
     if os.environ.get("RLDIAG_SQL_READER", "").lower() == "sqlite3":
         return None
     try:
@@ -146,6 +154,8 @@ def _read_sql_arrow(store: Store, run_ids: Sequence[str], keys: Sequence[str], a
     sql = (f"SELECT run_uuid, key, is_nan, step, timestamp, value FROM metrics{' NOT INDEXED' if scan else ''} "
            f"WHERE {_where(len(run_ids), len(keys))}")
     with _adbc_sqlite().connect(f"{store.sqlite_path.as_uri()}?mode=ro") as con, con.cursor() as cur:
+        cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")  # wait out a writer's commit, as sqlite3's timeout does
+        cur.fetchall()
         cur.execute(sql, [*run_ids, *keys, after_rowid, upto])
         table = cur.fetch_arrow_table()
     return _arrow_columns(table, run_ids, keys)

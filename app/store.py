@@ -39,6 +39,11 @@ class Store:
     kind: StoreKind
     sqlite_path: Path | None = None  # the SQLite file read directly (a server's backend, for `rest`)
     postgres_dsn: str | None = None  # a server's PostgreSQL backend, read directly (libpq URI)
+    # This process also writes the SQLite file (through MLflow: Python's sqlite3). Then its metric rows
+    # are read with sqlite3 too, never ADBC: ADBC carries its own copy of SQLite, and two copies in one
+    # process release each other's POSIX file locks (sqlite.org/howtocorrupt.html, 2.2.1), which a
+    # writing process must never risk.
+    writes_here: bool = False
 
     @cached_property
     def client(self):

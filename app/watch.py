@@ -31,7 +31,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -94,6 +94,8 @@ class Watcher:
 
     def __init__(self, store: Store, state: WatchState, sinks: list, *, experiments: Sequence[str] | None = None,
                  tag_runs: bool = False, divergence: bool = False, burst: int = 3, burst_interval_s: float = 300.0):
+        if tag_runs and store.sqlite_path is not None:
+            store = replace(store, writes_here=True)  # it writes tags into that file
         self.store, self.state, self.sinks = store, state, list(sinks)
         self.tag_runs, self.divergence = tag_runs, divergence
         self._burst = (burst, burst_interval_s)

@@ -169,6 +169,63 @@ def test_sql_table_scan_and_index_read_the_same_rows(store_uri, sql_reader, monk
     _assert_same(load_histories(store_uri, [a, b]), expected)
 
 
+_HOLD_LOCK = """
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+time.sleep(1.5)
+con.execute("COMMIT")
+"""
+
+
+def test_sql_read_waits_for_a_writers_lock(store_uri, sql_reader, monkeypatch):
+    """A training job (another process) committing to the same SQLite file holds its lock for a
+    moment: the read of the rows waits for it instead of failing with "database is locked"."""
+    from app import history_readers
+
+    a = _rldiag_run(store_uri, n=50)
+    expected = load_histories(store_uri, [a], method="client")
+    path = str(open_store(store_uri).sqlite_path)
+    holders = []
+    full_scan = history_readers._full_scan
+
+    def lock_then_decide(*args):  # the lock is taken right before the rows are read
+        scan = full_scan(*args)
+        holders.append(subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, path], stdout=subprocess.PIPE, text=True))
+        assert holders[-1].stdout.readline().strip() == "locked"
+        return scan
+
+    monkeypatch.setattr(history_readers, "_full_scan", lock_then_decide)
+    try:
+        _assert_same(load_histories(store_uri, [a]), expected)
+    finally:
+        for p in holders:
+            p.wait(30)
+    assert len(holders) == 1 and holders[0].returncode == 0
+
+
+def test_a_process_that_writes_the_file_reads_it_with_sqlite3(store_uri, tmp_path, monkeypatch):
+    """ADBC links its own SQLite, whose file locks a second copy in the same process cannot see: a
+    process that writes the file (the watcher tagging runs) reads it with Python's sqlite3 only."""
+    from dataclasses import replace
+
+    from app import history_readers
+    from app.watch import Watcher
+    from app.watch_state import WatchState
+
+    a = _rldiag_run(store_uri, n=30)
+
+    def no_adbc(*args):
+        raise AssertionError("ADBC used in a process that writes the file")
+
+    monkeypatch.setattr(history_readers, "_read_sql_arrow", no_adbc)
+    writing = replace(open_store(store_uri), writes_here=True)
+    _assert_same(load_histories(writing, [a]), load_histories(store_uri, [a], method="client"))
+    assert Watcher(open_store(store_uri), WatchState(tmp_path / "s.json"), [], tag_runs=True).store.writes_here
+    assert not Watcher(open_store(store_uri), WatchState(tmp_path / "t.json"), []).store.writes_here
+
+
 def test_incremental_reload_fetches_only_new_rows(store_uri, sql_reader):
     live = _rldiag_run(store_uri, name="live", n=50, finish=False)
     h1 = load_histories(store_uri, [live])
