@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
             summary_row("full histories, SQLite", f"{statistics.median(rl):.2f} s",
                         f"raw SQL {statistics.median(raw):.2f} s", f"{ratio:.2f}x", f"<= {GOAL}x", ratio <= GOAL),
             summary_row("warm reload, SQLite", f"{warm:.3f} s", "-", "-", f"<= {WARM_GOAL_S} s", warm <= WARM_GOAL_S),
-            *(_server_rows(server) if server else []),
-            *(_postgres_rows(postgres) if postgres else []),
+            *(_server_rows(server, "SQLite-backed") if server else []),
+            *(_server_rows(postgres, "PostgreSQL-backed") if postgres else []),
         ],
     }
     print(f"results: {write_result(NAME, result)}")
@@ -183,60 +183,56 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def time_server(path: Path, ids: list[str], metric_keys) -> dict:
-    """rldiag's REST reader vs MlflowClient, both against one local server over a copy of the store."""
+    """rldiag over REST, rldiag on the server's SQLite file, and MlflowClient: one local server over a
+    copy of the store."""
     import shutil
 
-    from app.histories import load_histories
-    from app.store import open_store
     from bench._server import MlflowServer
-    from mlflow.tracking import MlflowClient
 
     root = Path(tempfile.mkdtemp(prefix="rldiag-bench-server-"))
     shutil.copyfile(path, root / "server.db")
     try:
         with MlflowServer(root) as server:
-            load_histories(server.uri, ids[:1], metric_keys[:1])  # first request: lazy imports server-side
-            t0 = time.perf_counter()
-            h = load_histories(server.uri, ids, metric_keys)
-            rl = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            hb = load_histories(open_store(server.uri, backend_store_uri=f"sqlite:///{server.db}"), ids, metric_keys)
-            rb = time.perf_counter() - t0
-            client = MlflowClient(server.uri)
-            t0 = time.perf_counter()
-            n = sum(len(client.get_metric_history(r, k)) for r in ids for k in metric_keys)
-            cl = time.perf_counter() - t0
+            return _time_reads(server.uri, f"sqlite:///{server.db}", ids, metric_keys, "SQLite-backed server")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _time_reads(uri: str, backend_uri: str, ids: list[str], metric_keys, what: str) -> dict:
+    """rldiag over REST, rldiag given the backend store, and MlflowClient, one after the other."""
+    from app.histories import load_histories
+    from app.store import open_store
+    from mlflow.tracking import MlflowClient
+
+    load_histories(uri, ids[:1], metric_keys[:1])  # first request: lazy imports server-side
+    t0 = time.perf_counter()
+    h = load_histories(uri, ids, metric_keys)
+    rl = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hb = load_histories(open_store(uri, backend_store_uri=backend_uri), ids, metric_keys)
+    rb = time.perf_counter() - t0
+    client = MlflowClient(uri)
+    t0 = time.perf_counter()
+    n = sum(len(client.get_metric_history(r, k)) for r in ids for k in metric_keys)
+    cl = time.perf_counter() - t0
     points = sum(len(t) for t in h.traces.values())
-    assert points == sum(len(t) for t in hb.traces.values()), "REST and backend-file reads differ"
-    print(f"server, {len(ids)} runs: rldiag REST {rl:.2f} s ({points} points), rldiag with the backend file "
-          f"{rb:.2f} s, MlflowClient {cl:.2f} s ({n} points); speed-up {cl / rl:.1f}x (REST), {cl / rb:.1f}x (file)")
-    return {"runs": len(ids), "rldiag_s": rl, "rldiag_backend_file_s": rb, "client_s": cl, "speedup": cl / rl,
-            "speedup_backend_file": cl / rb, "points": points}
+    assert hb.method in ("sql", "pgsql") and points == sum(len(t) for t in hb.traces.values()) == n, \
+        "REST, backend-store and client reads differ"
+    print(f"{what}, {len(ids)} runs: rldiag REST {rl:.2f} s ({points} points), rldiag on the backend store "
+          f"{rb:.2f} s, MlflowClient {cl:.2f} s; speed-up {cl / rl:.1f}x (REST), {cl / rb:.1f}x (backend store)")
+    return {"runs": len(ids), "rldiag_s": rl, "rldiag_backend_s": rb, "client_s": cl, "speedup": cl / rl,
+            "speedup_backend": cl / rb, "points": points}
 
 
-def _server_rows(server: dict) -> list:
-    what = f"full histories over a local mlflow server, {server['runs']} runs"
-    client = f"MlflowClient {server['client_s']:.2f} s"
+def _server_rows(r: dict, backend: str) -> list:
+    """Summary rows of `time_server` / `time_postgres`: REST and the backend store read directly."""
+    what = f"full histories over a {backend} mlflow server, {r['runs']} runs"
+    client = f"MlflowClient {r['client_s']:.2f} s"
     return [
-        summary_row(f"{what}: REST", f"{server['rldiag_s']:.2f} s", client, f"{server['speedup']:.1f}x",
-                    f">= {SERVER_GOAL:g}x", server["speedup"] >= SERVER_GOAL),
-        summary_row(f"{what}: backend file given (--backend-store-uri)", f"{server['rldiag_backend_file_s']:.2f} s",
-                    client, f"{server['speedup_backend_file']:.1f}x", f">= {SERVER_GOAL:g}x",
-                    server["speedup_backend_file"] >= SERVER_GOAL),
-    ]
-
-
-def _postgres_rows(pg: dict) -> list:
-    what = f"full histories over a PostgreSQL-backed mlflow server, {pg['runs']} runs"
-    client = f"MlflowClient {pg['client_s']:.2f} s"
-    return [
-        summary_row(f"{what}: REST", f"{pg['rldiag_s']:.2f} s", client, f"{pg['speedup']:.1f}x",
-                    f">= {SERVER_GOAL:g}x", pg["speedup"] >= SERVER_GOAL),
-        summary_row(f"{what}: database given (--backend-store-uri)", f"{pg['rldiag_backend_db_s']:.2f} s",
-                    client, f"{pg['speedup_backend_db']:.1f}x", f">= {SERVER_GOAL:g}x",
-                    pg["speedup_backend_db"] >= SERVER_GOAL),
+        summary_row(f"{what}: REST", f"{r['rldiag_s']:.2f} s", client, f"{r['speedup']:.1f}x",
+                    f">= {SERVER_GOAL:g}x", r["speedup"] >= SERVER_GOAL),
+        summary_row(f"{what}: backend store given (--backend-store-uri)", f"{r['rldiag_backend_s']:.2f} s",
+                    client, f"{r['speedup_backend']:.1f}x", f">= {SERVER_GOAL:g}x", r["speedup_backend"] >= SERVER_GOAL),
     ]
 
 
@@ -276,10 +272,7 @@ def time_postgres(path: Path, ids: list[str], metric_keys) -> dict:
     """rldiag over REST, rldiag on the database, and MlflowClient, against a PostgreSQL-backed server."""
     import shutil
 
-    from app.histories import load_histories
-    from app.store import open_store
     from bench._server import MlflowServer
-    from mlflow.tracking import MlflowClient
     from tests.postgres import PostgresServer
 
     root = Path(tempfile.mkdtemp(prefix="rldiag-bench-pg-"))
@@ -288,26 +281,9 @@ def time_postgres(path: Path, ids: list[str], metric_keys) -> dict:
             t0 = time.perf_counter()
             _copy_runs_to_postgres(path, ids, pg.dsn_for(pg.database))
             print(f"copied {len(ids)} runs into PostgreSQL in {time.perf_counter() - t0:.1f} s", flush=True)
-            load_histories(server.uri, ids[:1], metric_keys[:1])  # first request: lazy imports server-side
-            t0 = time.perf_counter()
-            h = load_histories(server.uri, ids, metric_keys)
-            rl = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            hd = load_histories(open_store(server.uri, backend_store_uri=pg.url), ids, metric_keys)
-            rd = time.perf_counter() - t0
-            client = MlflowClient(server.uri)
-            t0 = time.perf_counter()
-            n = sum(len(client.get_metric_history(r, k)) for r in ids for k in metric_keys)
-            cl = time.perf_counter() - t0
+            return _time_reads(server.uri, pg.url, ids, metric_keys, "PostgreSQL-backed server")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    points = sum(len(t) for t in h.traces.values())
-    assert hd.method == "pgsql" and points == sum(len(t) for t in hd.traces.values()) == n, \
-        "REST, database and client reads differ"
-    print(f"PostgreSQL-backed server, {len(ids)} runs: rldiag REST {rl:.2f} s ({points} points), rldiag on the "
-          f"database {rd:.2f} s, MlflowClient {cl:.2f} s; speed-up {cl / rl:.1f}x (REST), {cl / rd:.1f}x (database)")
-    return {"runs": len(ids), "rldiag_s": rl, "rldiag_backend_db_s": rd, "client_s": cl, "speedup": cl / rl,
-            "speedup_backend_db": cl / rd, "points": points}
 
 
 def load_histories_again(uri, ids, metric_keys, previous):
