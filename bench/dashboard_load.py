@@ -8,10 +8,13 @@ candidates of one group) and filled by direct SQL inserts (8 M points through `l
 about 12 minutes), then cached under /tmp (not in the repository). Every run gets NaN at 3 steps of
 `grad/norm` and a one-step spike (+30 in a random walk of step sd 0.01) in one metric.
 
-Timed: `page.goto(<app>/compare)` until every chart's `_fullData` holds every run's line, in a new
-browser page each time. The first load after the server starts also reads the 8 M points and
-computes the divergence of 9 candidates x 8 metrics ("cold"); the later loads are served from the
-server's caches ("warm", the goal). Then every injected NaN and spike is checked in the drawn data.
+Timed: `page.goto(<app>/compare)` until every metric's panel holds every run's line (in plotly's
+`_fullData`; a panel is a chart of its own or, as now, one of the panels of one figure), in a new
+browser page (and context: nothing in the browser's cache) each time. The first load after the server
+starts also reads the 8 M points and computes the divergence of 9 candidates x 8 metrics ("cold"); the
+later loads are served from the server's caches ("warm", the goal). Each load's timeline is printed:
+seconds to the websocket connected, the script run started and finished (as the page shows them) and
+every chart drawn. Then every injected NaN and spike is checked in the drawn data.
 """
 
 from __future__ import annotations
@@ -42,12 +45,34 @@ METRICS = (keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.
 EXPERIMENT = "bench-dashboard"
 SPIKE = 30.0
 REPO = Path(__file__).resolve().parent.parent
+# Every panel drawn: the Compare page draws one plotly figure whose panels are titled by annotations over
+# their x axes (app/dashboard/grid_figure.py); a one-panel chart is titled by its title.
+PANELS_JS = """p => {
+    const titled = (p._fullLayout.annotations || []).filter(a => / domain$/.test(a.xref));
+    return titled.length ? titled.map(a => [a.xref.split(' ')[0], a.text]) : [['x', p._fullLayout.title.text]];
+}"""
 # Polled every 50 ms: names only (copying every trace's arrays on each poll slowed the page it timed).
-NAMES_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData)
-    .map(p => p._fullData.map(t => t.name))"""
-DRAWN_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).map(p => ({
-    title: p._fullLayout.title.text,
-    traces: p._fullData.map(t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}))}))"""
+NAMES_JS = f"""() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).flatMap(p =>
+    ({PANELS_JS})(p).map(([axis]) => p._fullData.filter(t => (t.xaxis || 'x') === axis).map(t => t.name)))"""
+DRAWN_JS = f"""() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).flatMap(p =>
+    ({PANELS_JS})(p).map(([axis, title]) => ({{title, traces: p._fullData.filter(t => (t.xaxis || 'x') === axis)
+        .map(t => ({{name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}}))}})))"""
+# The load's timeline, in ms since navigation: websocket connected, script run started and finished (as
+# the page shows them). Observes the app element's two attributes only, not the page's every change.
+MARKS_JS = """(() => {
+  const marks = window.__rldiagMarks = {};
+  const watch = (app) => new MutationObserver(() => {
+    const now = performance.now(), state = app.getAttribute('data-test-script-state');
+    if (!marks.connected && app.getAttribute('data-test-connection-state') === 'CONNECTED') marks.connected = now;
+    if (!marks.script_started && state === 'running') marks.script_started = now;
+    if (marks.script_started && !marks.script_done && state === 'notRunning') marks.script_done = now;
+  }).observe(app, {attributes: true, attributeFilter: ['data-test-connection-state', 'data-test-script-state']});
+  const find = new MutationObserver(() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    if (app) { find.disconnect(); watch(app); }
+  });
+  find.observe(document, {childList: true, subtree: true});
+})()"""
 
 
 def injected(n_runs: int, n_metrics: int, steps: int) -> dict[str, dict]:
@@ -98,9 +123,11 @@ def serve(uri: str, log: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"the dashboard did not start: {log.read_text()[-2000:]}")
 
 
-def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float) -> tuple[float, list[dict]]:
-    """Seconds from navigation until `n_charts` charts hold every run's line; and what they drew."""
+def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float) -> tuple[float, dict, list[dict]]:
+    """Seconds from navigation until `n_charts` panels hold every run's line; the load's timeline
+    (seconds: connected, script_started, script_done, drawn); and what the charts drew."""
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.add_init_script(MARKS_JS)
     try:
         t0 = time.perf_counter()
         page.goto(url + "compare")
@@ -108,9 +135,11 @@ def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: floa
             names = [set(n) for n in page.evaluate(NAMES_JS)]
             if len(names) >= n_charts and all(set(runs) <= n for n in names):
                 took = time.perf_counter() - t0
-                return took, page.evaluate(DRAWN_JS)  # what was drawn, read once, after the clock stopped
+                marks = {k: round(v / 1000, 2) for k, v in page.evaluate("window.__rldiagMarks").items()}
+                # what was drawn, read once, after the clock stopped
+                return took, {**marks, "drawn": round(took, 2)}, page.evaluate(DRAWN_JS)
             if time.perf_counter() - t0 > timeout_s:
-                raise RuntimeError(f"{len(charts)} of {n_charts} charts drawn after {timeout_s} s")
+                raise RuntimeError(f"{len(names)} of {n_charts} panels drawn after {timeout_s} s")
             page.wait_for_timeout(50)
     finally:
         page.close()
@@ -156,13 +185,15 @@ def main(argv: list[str] | None = None) -> dict:
     proc, url = serve(uri, log)
     try:
         with chromium() as browser:
-            cold, charts = load_page(browser, url, runs, args.metrics, timeout_s=1800)
-            print(f"cold page load (reads {args.runs * args.metrics * args.steps:,} points): {cold:.2f} s", flush=True)
-            warm = []
+            cold, cold_marks, charts = load_page(browser, url, runs, args.metrics, timeout_s=1800)
+            print(f"cold page load (reads {args.runs * args.metrics * args.steps:,} points): {cold:.2f} s {cold_marks}",
+                  flush=True)
+            warm, timelines = [], []
             for _ in range(args.loads):
-                s, charts = load_page(browser, url, runs, args.metrics, timeout_s=300)
+                s, marks, charts = load_page(browser, url, runs, args.metrics, timeout_s=300)
                 warm.append(s)
-                print(f"warm page load: {s:.2f} s", flush=True)
+                timelines.append(marks)
+                print(f"warm page load: {s:.2f} s {marks}", flush=True)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
@@ -170,14 +201,15 @@ def main(argv: list[str] | None = None) -> dict:
     drawn_points = sum(len(t["x"]) for c in charts for t in c["traces"])
     ok = not visible["missing_nan"] and not visible["missing_spike"]
     median = statistics.median(warm)
-    print(f"every NaN and spike drawn: {ok} {visible}; {drawn_points} points drawn in {len(charts)} charts")
+    print(f"every NaN and spike drawn: {ok} {visible}; {drawn_points} points drawn in {len(charts)} metric panels")
     print(f"warm page load median {median:.2f} s (goal <= {GOAL_S} s): {'met' if median <= GOAL_S else 'NOT met'}")
     result = {
         "env": env_info(), "runs": args.runs, "metrics": args.metrics, "steps": args.steps,
         "points": args.runs * args.metrics * args.steps, "quick": args.quick, "cold_s": cold, "warm_s": warm,
+        "cold_timeline_s": cold_marks, "warm_timelines_s": timelines,
         "warm_median_s": median, "drawn_points": drawn_points, "charts": len(charts), "all_visible": ok, **visible,
         "summary": [
-            summary_row("dashboard page load to 8 charts drawn, warm server cache",
+            summary_row("dashboard page load to 8 metric panels drawn, warm server cache",
                         f"{median:.2f} s", "-", "-", f"<= {GOAL_S} s, every NaN/spike drawn", median <= GOAL_S and ok),
             summary_row("dashboard first load (reads 8 M points, divergence)", f"{cold:.1f} s", "-", "-", "-", None),
         ],

@@ -9,6 +9,7 @@ from dataclasses import replace
 import streamlit as st
 
 from app.dashboard import RLDIAG_REFRESH_S, data
+from app.dashboard.chart_grid import chart_grid
 from app.dashboard.selection import Selection, current, escape_md, label_list, needs_runs
 from app.decimate import DEFAULT_POINTS
 from app.figures import ChartOptions, run_colors
@@ -95,11 +96,10 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     missing = [k for k in metric_keys if k not in shown]
     if missing:
         st.caption(f"No picked run logged: {escape_md(', '.join(missing))}.")
-    for row in range(0, len(shown), 2):  # one st.columns per row: the charts of a row line up
-        for col, key in zip(st.columns(2), shown[row:row + 2]):
-            fig = data.figure(loaded.stamp, h, key, tuple(run_ids), labels, tuple(refs), tuple(colors.items()),
-                              divs.get(key, {}), options)
-            col.plotly_chart(fig, key=f"compare.chart.{key}", config=PLOT_CONFIG, theme=None)
+    if shown:
+        figure = data.grid(loaded.stamp, h, tuple(shown), tuple(run_ids), labels, tuple(refs), tuple(colors.items()),
+                           divs, options)
+        chart_grid(figure, key="compare.charts", config=PLOT_CONFIG)
 
 
 def render() -> None:

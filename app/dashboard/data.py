@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
-import plotly.graph_objects as go
+import plotly.io
 import streamlit as st
 
 from app.configdiff import RunConfig, config_diff, load_configs
+from app.dashboard.grid_figure import grid_figure
 from app.divergence import Divergence, DivergenceConfig, detect_divergence
 from app.errors import DataError, StoreUnreachable
 from app.figures import ChartOptions, metric_figure
@@ -157,12 +158,24 @@ def divergences(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], can
 @st.cache_data(ttl=3600, max_entries=256, show_spinner=False)
 def figure(stamp: tuple, _h: Histories, key: str, run_ids: tuple[str, ...], labels: tuple[tuple[str, str], ...],
            reference_ids: tuple[str, ...], colors: tuple[tuple[str, str], ...], _divergences: Mapping[str, Divergence],
-           options: ChartOptions) -> go.Figure:
-    """`metric_figure` of one metric, kept until new rows arrive (`stamp`): a page load after the first
-    redraws decimated figures instead of decimating every point again. `_divergences` follow from
-    `stamp` and the references and candidates."""
+           options: ChartOptions) -> dict:
+    """`metric_figure` of one metric as its plotly dict, kept until new rows arrive (`stamp`): a page
+    load after the first redraws decimated figures instead of decimating every point again.
+    `_divergences` follow from `stamp` and the references and candidates. A dict, not the `go.Figure`:
+    unpickling a figure from the cache validates every property again (0.15 s a chart)."""
     return metric_figure(key, _h.for_key(key, run_ids), labels=dict(labels), reference_ids=reference_ids,
-                         colors=dict(colors), divergences=_divergences, options=options)
+                         colors=dict(colors), divergences=_divergences, options=options).to_plotly_json()
+
+
+@st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
+def grid(stamp: tuple, _h: Histories, metric_keys: tuple[str, ...], run_ids: tuple[str, ...],
+         labels: tuple[tuple[str, str], ...], reference_ids: tuple[str, ...], colors: tuple[tuple[str, str], ...],
+         _divergences: Mapping[str, Mapping[str, Divergence]], options: ChartOptions) -> str:
+    """The `figure` of each of `metric_keys` as a panel of one figure (`grid_figure`), as the plotly
+    JSON the Compare page draws; `_divergences` maps a key to its `{candidate: Divergence}`."""
+    figures = [figure(stamp, _h, key, run_ids, labels, reference_ids, colors, _divergences.get(key, {}), options)
+               for key in metric_keys]
+    return plotly.io.to_json(grid_figure(figures), validate=False)
 
 
 # ---- pure helpers the pages share ---------------------------------------------------------------

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -98,6 +99,27 @@ def test_image_copies_only_repo_files_and_every_package():
     assert top <= {s.rstrip("/") for s in sources}, f"packages not copied into the image: {top}"
     for must in (".git", ".venv", "mlruns.db", "mlruns", ".rldiag", ".env", "tests"):
         assert ignored(must), f".dockerignore does not exclude {must}"
+
+
+def test_the_image_s_non_editable_install_carries_the_dashboard_s_static_files(tmp_path):
+    """`pip install .` (the image's) of what the Dockerfile copies: the wheel holds the vendored plotly.js
+    bundle and the chart grid's code (package-data), without which the Compare page silently falls
+    back to Streamlit's slower plotly element."""
+    src = tmp_path / "src"
+    copies = [a.split() for i, a in instructions() if i == "COPY" and not a.startswith("--from")]
+    for name in (s.rstrip("/") for parts in copies for s in parts[:-1]):  # WORKDIR /src: same layout
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            src.mkdir(exist_ok=True)
+            shutil.copy(REPO / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300)
+    [wheel] = (tmp_path / "dist").glob("rldiag-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    static = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "app/dashboard/static").iterdir())
+    assert "app/dashboard/static/plotly-basic.min.js" in static
+    assert set(static) <= names, f"not in the wheel: {set(static) - names}"
 
 
 # ---- docker-compose.yml --------------------------------------------------------------------------

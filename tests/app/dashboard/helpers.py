@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 from streamlit.testing.v1 import AppTest
 
+from app.dashboard.chart_grid import COMPONENT
+
 APP = Path(__file__).resolve().parents[3] / "app" / "dashboard" / "streamlit_app.py"
 
 
@@ -30,16 +32,31 @@ def array(v) -> np.ndarray:
     return np.asarray(v if v is not None else [], dtype=float)
 
 
-def figures(at: AppTest) -> dict[str, list[dict]]:
-    """`{chart title: [trace dict, ...]}` of every plotly chart on the page, x and y decoded."""
-    out = {}
-    for el in at.get("plotly_chart"):
-        spec = json.loads(el.proto.spec)
-        traces = []
-        for t in spec["data"]:
-            traces.append(dict(t, x=array(t.get("x")), y=array(t.get("y"))))
-        out[spec["layout"]["title"]["text"]] = traces
+def chart_specs(at: AppTest) -> list[dict]:
+    """The plotly figures the page sends the browser, in order: the chart grid component's
+    (app.dashboard.chart_grid) and any `st.plotly_chart`'s."""
+    specs = [json.loads(json.loads(el.proto.json)["figure"]) for el in at.get("bidi_component")
+             if el.proto.component_name == COMPONENT]
+    return specs + [json.loads(el.proto.spec) for el in at.get("plotly_chart")]
+
+
+def panels(spec: dict) -> dict[str, list[dict]]:
+    """`{title: [trace dict, ...]}` of a figure's panels as a reader sees them: a panel is titled by an
+    annotation over its x axis ("x2 domain", app.dashboard.grid_figure), a one-panel figure by its
+    title. x and y decoded."""
+    titles = {a["xref"].split(" ")[0]: a["text"] for a in spec["layout"].get("annotations", ())
+              if a.get("xref", "").endswith(" domain")}
+    if not titles:
+        titles = {"x": spec["layout"]["title"]["text"]}
+    out: dict[str, list[dict]] = {title: [] for title in titles.values()}
+    for t in spec["data"]:
+        out[titles[t.get("xaxis", "x")]].append(dict(t, x=array(t.get("x")), y=array(t.get("y"))))
     return out
+
+
+def figures(at: AppTest) -> dict[str, list[dict]]:
+    """`{panel title: [trace dict, ...]}` of every plotly chart on the page, in order, x and y decoded."""
+    return {title: traces for spec in chart_specs(at) for title, traces in panels(spec).items()}
 
 
 def by_name(traces: list[dict]) -> dict[str, dict]:

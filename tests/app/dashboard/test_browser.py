@@ -22,10 +22,17 @@ REPO = Path(__file__).resolve().parents[3]
 READY = ('[data-testid="stApp"][data-test-connection-state="CONNECTED"]'
          '[data-test-script-state="notRunning"]')
 
-# Every drawn plotly chart: its title and, per trace, the name plotly shows and the x it drew.
-DRAWN_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).map(p => ({
-    title: p._fullLayout.title.text,
-    traces: p._fullData.map(t => ({name: t.name, x: Array.from(t.x || [])}))}))"""
+# Every panel drawn: its title and, per trace, the name plotly shows and the x it drew. A panel is
+# titled by an annotation over its x axis (app/dashboard/grid_figure.py), a one-panel chart by its title.
+DRAWN_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).flatMap(p => {
+    const titled = (p._fullLayout.annotations || []).filter(a => / domain$/.test(a.xref));
+    const panels = titled.length ? titled.map(a => [a.xref.split(' ')[0], a.text]) : [['x', p._fullLayout.title.text]];
+    return panels.map(([axis, title]) => ({title, traces: p._fullData.filter(t => (t.xaxis || 'x') === axis)
+        .map(t => ({name: t.name, x: Array.from(t.x || [])}))}));
+})"""
+# The width plotly laid out each drawn chart at.
+WIDTHS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullLayout)
+    .map(p => p._fullLayout.width)"""
 
 
 def serve(uri: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
@@ -101,6 +108,13 @@ def test_picked_runs_are_drawn_with_nan_markers_and_names_as_text(dash_store, tm
             assert page.get_by_text(EVIL, exact=True).count() >= 2
             assert page.locator("svg.main-svg text.legendtext", has_text=EVIL).count() >= 1
             assert page.locator('img[src="x"]').count() == 0 and dialogs == []
+            # One figure of panels, two a row, as wide as the main column; it follows the column when the
+            # window narrows. One legend: each run listed once.
+            [width] = page.evaluate(WIDTHS_JS)
+            assert 900 < width < 1200  # a 1,500 px window less the sidebar
+            assert page.locator("svg.main-svg text.legendtext", has_text="v1 shifted").count() == 1
+            page.set_viewport_size({"width": 1100, "height": 1100})
+            page.wait_for_function(f"() => ({WIDTHS_JS})()[0] < {width - 200}")
             page.wait_for_timeout(500)
             shot = screenshot(page, "dashboard-compare")
             assert shot.stat().st_size > 50_000

@@ -8,12 +8,12 @@ import html
 import numpy as np
 import pytest
 
-from app.dashboard import data
+from app.dashboard import chart_grid, data
 from app.dashboard.selection import ALL_RUNS
 from collectors import keys
 from tests.app.conftest import write_run
 from tests.app.dashboard.conftest import EVIL, INF_STEP, NAN_STEPS, SHIFT_AT
-from tests.app.dashboard.helpers import app, by_name, figures, unescape_md
+from tests.app.dashboard.helpers import app, by_name, chart_specs, figures, unescape_md
 from tests.conftest import free_port
 
 TAGGED = ["v0 ref", "v0 seed1", "v0 seed2", "v1 shifted", "unmasked", EVIL]
@@ -61,6 +61,21 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
     assert sorted(table["metric"]) == [keys.KL_NEW_OLD, keys.RATIO_MEAN]
     assert set(table["candidate"]) == {"v1 shifted"} and (abs(table["onset_step"] - SHIFT_AT) <= 3).all()
     assert not at.warning  # every picked run has canonical metrics
+
+
+def test_compare_without_the_chart_component_sends_the_same_figure_through_plotly_chart(dash_store, monkeypatch):
+    """Streamlit without `st.components.v2` (or a missing plotly.js bundle): the grid is an st.plotly_chart."""
+    grid = app(dash_store.uri, monkeypatch, "compare.py")
+    assert len(grid.get("bidi_component")) == 1 and not grid.get("plotly_chart")
+    monkeypatch.setattr(chart_grid, "_MOUNT", None)
+    native = app(dash_store.uri, monkeypatch, "compare.py")
+    assert not native.get("bidi_component") and len(native.get("plotly_chart")) == 1
+    assert list(figures(native)) == list(figures(grid)) and len(figures(grid)) == 7
+    for traces, native_traces in zip(figures(grid).values(), figures(native).values()):
+        assert [t["name"] for t in native_traces] == [t["name"] for t in traces]
+        for t, n in zip(traces, native_traces):
+            np.testing.assert_array_equal(n["x"], t["x"])
+            np.testing.assert_array_equal(n["y"], t["y"])
 
 
 def test_compare_band_of_seeds_trl_aliases_and_a_run_without_canonical_metrics(dash_store, monkeypatch):
@@ -142,7 +157,7 @@ def test_empty_experiment_and_no_runs_picked_say_so(dash_store, monkeypatch):
     at = app(dash_store.uri, monkeypatch, "compare.py")
     at.sidebar.multiselect(key="sidebar.reference").set_value([])
     at.sidebar.multiselect(key="sidebar.candidates").set_value([]).run()
-    assert "No runs picked" in at.info[0].value and not at.get("plotly_chart")
+    assert "No runs picked" in at.info[0].value and not chart_specs(at)
     at.sidebar.selectbox(key="sidebar.experiment").set_value("empty").run()
     assert not at.exception and "has no runs yet" in at.info[0].value
     at.switch_page("overview.py").run()

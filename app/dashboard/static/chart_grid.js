@@ -1,0 +1,29 @@
+// rldiag's chart grid (app/dashboard/chart_grid.py): `data.figure`, the plotly JSON of the Compare
+// page's panels (app/dashboard/grid_figure.py), drawn by window.Plotly, which the plotly.js bundle this
+// file is appended to defines. Streamlit calls this again with new data on every rerun: Plotly.react
+// updates the figure in place. Run names reach plotly already escaped (app.figures._text): plotly.js
+// draws them as text.
+
+export default function ({ data, parentElement }) {
+  const Plotly = window.Plotly;
+  let chart = parentElement.querySelector(":scope > .rldiag-chart-grid");
+  if (!chart) {
+    chart = document.createElement("div");
+    chart.className = "rldiag-chart-grid";
+    parentElement.appendChild(chart);
+    // plotly's `responsive` follows the window only; the column also narrows when the sidebar opens.
+    let width = chart.clientWidth;
+    chart.rldiagObserver = new ResizeObserver(() => {
+      if (chart.clientWidth === width) return; // the first call, on observe(), changes nothing
+      width = chart.clientWidth;
+      Plotly.Plots.resize(chart);
+    });
+    chart.rldiagObserver.observe(chart);
+  }
+  const figure = JSON.parse(data.figure);
+  Plotly.react(chart, figure.data, figure.layout, data.config);
+  return () => {
+    chart.rldiagObserver.disconnect();
+    Plotly.purge(chart);
+  };
+}
