@@ -14,7 +14,8 @@ browser page (and context: nothing in the browser's cache) each time. The first 
 starts also reads the 8 M points and computes the divergence of 9 candidates x 8 metrics ("cold"); the
 later loads are served from the server's caches ("warm", the goal). Each load's timeline is printed:
 seconds to the websocket connected, the script run started and finished (as the page shows them) and
-every chart drawn. Then every injected NaN and spike is checked in the drawn data.
+every chart drawn, with the chart component's own marks (app/dashboard/static/chart_grid.js): when it
+got its figure, and the seconds plotly.js took to parse and to draw it. Then every injected NaN and spike is checked in the drawn data.
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ MARKS_JS = """(() => {
   });
   find.observe(document, {childList: true, subtree: true});
 })()"""
+
+# From app/dashboard/static/chart_grid.js: when the chart component got its figure (its plotly.js bundle
+# evaluated by then), and how long parsing and drawing the figure took; the last draw of the page.
+CHART_MARKS_JS = """() => {
+  const last = (name) => performance.getEntriesByName(name).at(-1);
+  const start = last('rldiag.chart_grid.start'), parse = last('rldiag.chart_grid.parse'),
+        draw = last('rldiag.chart_grid.draw');
+  return start ? {chart_start: start.startTime, chart_parse_s: parse.duration, chart_draw_s: draw.duration} : {};
+}"""
 
 
 def injected(n_runs: int, n_metrics: int, steps: int) -> dict[str, dict]:
@@ -136,6 +146,7 @@ def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: floa
             if len(names) >= n_charts and all(set(runs) <= n for n in names):
                 took = time.perf_counter() - t0
                 marks = {k: round(v / 1000, 2) for k, v in page.evaluate("window.__rldiagMarks").items()}
+                marks.update({k: round(v / 1000, 2) for k, v in page.evaluate(CHART_MARKS_JS).items()})
                 # what was drawn, read once, after the clock stopped
                 return took, {**marks, "drawn": round(took, 2)}, page.evaluate(DRAWN_JS)
             if time.perf_counter() - t0 > timeout_s:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pandas as pd
 import streamlit as st
 
 from app.dashboard import RLDIAG_REFRESH_S, data
@@ -65,6 +66,33 @@ def _warn_unusable(sel: Selection) -> list[str]:
     return picked.loc[ok, "run_id"].tolist()
 
 
+def _divergence_summary(table, candidates: list[str], band: str) -> None:
+    """One line per candidate (its first departure), the full (candidate, metric) table on request: a
+    data grid costs the page load most of a second in the browser, a few lines of text next to nothing."""
+    lines = []
+    for s in data.divergence_summary(table, candidates):
+        name = f"**{escape_md(s['candidate'])}**"
+        first = s["first"]
+        if first is None:
+            lines.append(f"- {name}: stays within the band on every metric shown")
+            continue
+        how = str(first["kind"])
+        if first["kind"] == "nonfinite" and pd.notna(first["first_nonfinite_step"]):
+            how = f"non-finite from step {int(first['first_nonfinite_step'])}"
+        elif pd.notna(first["delta_sigma"]):
+            how += f", {first['delta_sigma']:+.1f} sigma"
+        more = f"; {s['metrics']} metrics in all" if s["metrics"] > 1 else ""
+        lines.append(f"- {name} leaves it first on {escape_md(first['metric'])} at step **{int(first['onset_step'])}** "
+                     f"({how}){more}")
+    st.markdown("\n".join(lines))
+    st.caption(f"Compared with {band}: first step from which the candidate stays outside its noise band, also "
+               "marked on the charts.")
+    if st.toggle("Every onset (candidate x metric)", key="compare.divergence.all"):
+        st.dataframe(table, hide_index=True, key="compare.divergence", column_config={
+            "delta": st.column_config.NumberColumn(format="%.4g"),
+            "delta_sigma": st.column_config.NumberColumn("delta (sigma)", format="%.1f")})
+
+
 def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options: ChartOptions, live: bool) -> None:
     refs = [r for r in sel.reference_ids if r in run_ids]
     cands = [r for r in sel.candidate_ids if r in run_ids]
@@ -85,10 +113,7 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         if table.empty:
             st.success(f"No candidate leaves {band} on the metrics shown.", icon=":material/check:")
         else:
-            st.dataframe(table, hide_index=True, key="compare.divergence", column_config={
-                "delta": st.column_config.NumberColumn(format="%.4g"),
-                "delta_sigma": st.column_config.NumberColumn("delta (sigma)", format="%.1f")})
-            st.caption(f"Compared with {band}: first step from which the candidate stays outside its noise band.")
+            _divergence_summary(table, [sel.labels[c] for c in cands], band)
 
     colors = run_colors(run_ids, refs)
     labels = tuple((r, sel.labels[r]) for r in run_ids)

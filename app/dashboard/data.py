@@ -203,6 +203,16 @@ def divergence_rows(divs: Mapping[str, Mapping[str, Divergence]], labels: Mappin
                                                         ignore_index=True)
 
 
+def divergence_summary(table: pd.DataFrame, candidates: Sequence[str]) -> list[dict]:
+    """Per candidate label (in `candidates` order): its earliest onset (`divergence_rows` row as a dict)
+    with `metrics`, how many metrics it left the band on; `None` as `first` for one that never did."""
+    out = []
+    for cand in candidates:
+        mine = table[table["candidate"] == cand]
+        out.append({"candidate": cand, "metrics": len(mine), "first": mine.iloc[0].to_dict() if len(mine) else None})
+    return out
+
+
 def config_rows(cfgs: Mapping[str, RunConfig], labels: Mapping[str, str], *, show_identical: bool) -> pd.DataFrame:
     """`config_diff` rows, differing ones first (engine parity, then batch/accumulation, then the rest),
     then, with `show_identical`, the rows every run agrees on; a `differs` column tells them apart."""

@@ -36,6 +36,12 @@ def test_overview_lists_every_run_with_status_steps_alerts_and_tags(dash_store, 
     assert "throughput only" in warning and "It has: lr, tokens_per_sec." in warning
 
 
+def divergence_lines(at) -> dict[str, str]:
+    """The Compare page's one line per candidate, `{candidate: line}`, markdown undone."""
+    [text] = [unescape_md(m.value) for m in at.markdown if "stays within the band" in m.value or "leaves it first" in m.value]
+    return {line[4:].split("**")[0]: line for line in text.splitlines()}
+
+
 def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(dash_store, monkeypatch):
     at = app(dash_store.uri, monkeypatch, "compare.py")
     figs = figures(at)
@@ -57,6 +63,14 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
     assert grad["unmasked NaN"]["x"].tolist() == list(NAN_STEPS)
     assert grad["unmasked +inf"]["x"].tolist() == [INF_STEP]
     assert not np.isin(grad["unmasked"]["x"], [*NAN_STEPS, INF_STEP]).any()  # the line skips them
+    # one line per candidate: where it leaves the reference first; the full table only on request
+    summary = divergence_lines(at)
+    shifted = summary.pop("v1 shifted")
+    assert "at step" in shifted and "2 metrics in all" in shifted
+    assert abs(int(shifted.split("at step ")[1].split()[0].strip("*")) - SHIFT_AT) <= 3
+    assert summary and all("stays within the band" in line for line in summary.values())  # seeds, unmasked, ...
+    assert not at.dataframe
+    at.toggle(key="compare.divergence.all").set_value(True).run()
     table = at.dataframe[0].value
     assert sorted(table["metric"]) == [keys.KL_NEW_OLD, keys.RATIO_MEAN]
     assert set(table["candidate"]) == {"v1 shifted"} and (abs(table["onset_step"] - SHIFT_AT) <= 3).all()
@@ -95,8 +109,8 @@ def test_compare_band_of_seeds_trl_aliases_and_a_run_without_canonical_metrics(d
     at.multiselect(key="compare.metrics").select(keys.KL_REF).run()  # its own chart, on request
     assert {t["name"] for t in figures(at)[keys.KL_REF]} == {"trl run"}
     assert "trl run" not in {t["name"] for t in figs[keys.RATIO_MEAN]}  # TRL logged no ratio
-    table = at.dataframe[0].value
-    assert set(table["candidate"]) == {"v1 shifted"}  # the band of 3 seeds: only the shift departs
+    lines = divergence_lines(at)  # the band of 3 seeds: only the shift departs
+    assert "leaves it first" in lines["v1 shifted"] and "stays within the band" in lines["trl run"]
     assert any("band of 3 reference runs" in c.value for c in at.caption)
 
 
