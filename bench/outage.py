@@ -14,6 +14,10 @@ on the same port and DB (its start-up time adds to the outage); `--post-s` after
 child stops, drains and exits. Points are then counted in the server's SQLite file: lost = expected
 (key, step) pairs missing, duplicated = rows beyond one per (key, step). The stall is the longest
 single logging call on the training thread; lateness is how far a step started after its slot.
+
+A third child, the control, runs the same loop through the same outage with no logging at all: each
+"call" spins for rldiag's median call time. Whatever stalls it (other processes, the hypervisor taking
+this VM's vCPU: /proc/stat counts steal time here) is the floor under the logging variants' stalls.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ from bench._common import METRIC_KEYS, count_points, env_info, missing_steps, qu
 from bench._server import MlflowServer
 
 NAME = "outage"
-VARIANTS = ("rldiag", "mlflow")
+VARIANTS = ("rldiag", "mlflow", "control")
+# control: the same loop and outage with no logging at all; each "call" spins for as long as rldiag's
+# median call took. Its longest call is what the machine (other processes, the hypervisor taking the
+# vCPU) does to any piece of work that long: the floor under every variant's stall.
 
 
 # ---- child: one training loop ----------------------------------------------------------------
 def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_timeout: float,
-          cpu: int | None = None) -> None:
+          cpu: int | None = None, spin_us: float = 50.0) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})  # before the writer's threads start: they inherit it
     quiet_mlflow()
@@ -51,6 +58,11 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
         writer = MetricWriter(run_id, make_sender(uri), tracking_uri=uri, spill_dir=folder / "spill",
                               close_timeout_s=close_timeout)
         log = writer.log_metrics
+    elif kind == "control":
+        def log(m, s, _spin=spin_us * 1e-6, _clock=time.perf_counter):  # no logging: spin, then return
+            end = _clock() + _spin
+            while _clock() < end:
+                pass
     else:
         import mlflow
 
@@ -87,7 +99,8 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
         stamps.append(time.monotonic() - t0)
         step += 1
     t_loop = time.monotonic() - t0
-    res: dict = {"kind": kind, "steps": step, "loop_s": t_loop, "expected_points": step * len(METRIC_KEYS),
+    res: dict = {"kind": kind, "steps": step, "loop_s": t_loop,
+                 "expected_points": 0 if kind == "control" else step * len(METRIC_KEYS),
                  "log_call": summarize_ms(durations), "worst_stall_at_s": worst_at,
                  "lateness": summarize_ms(lateness), "error": None,
                  "log_call_at_s": stamps, "log_call_ms": [x * 1e3 for x in durations],
@@ -102,7 +115,7 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
             res["writer_stats"] = {"delivered": st.delivered, "undelivered": st.undelivered,
                                    "send_failures": st.send_failures, "last_error": st.last_error}
             res["journal_left"] = (folder / "spill" / f"{run_id}.jsonl").exists()
-        else:
+        elif kind == "mlflow":
             mlflow.flush_async_logging()
     except Exception as e:  # noqa: BLE001 - record what the user would see
         res["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -167,6 +180,8 @@ def _one_variant(v: str, server: MlflowServer, exp: str, folder: Path, repo: Pat
            "--dir", str(folder), "--rate", str(args.rate), "--close-timeout", str(args.close_timeout)]
     if args.pin:
         cmd += ["--cpu", "1"]
+    if v == "control":
+        cmd += ["--spin-us", f"{args.spin_us:.1f}"]
     with open(folder / "child.log", "wb") as logf:
         proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=logf, stderr=subprocess.STDOUT)
     try:
@@ -224,12 +239,14 @@ def main(argv: list[str] | None = None) -> dict:
                          "machine (default; --no-pin lets them share both cores)")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--cpu", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--spin-us", type=float, default=50.0, help=argparse.SUPPRESS)
     ap.add_argument("--uri", help=argparse.SUPPRESS)
     ap.add_argument("--run-id", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.uri, args.run_id, Path(args.dir), args.rate, args.close_timeout, args.cpu)
+        child(args.child, args.uri, args.run_id, Path(args.dir), args.rate, args.close_timeout, args.cpu,
+              args.spin_us)
         return {}
     if args.quick:
         args.outage_s = min(args.outage_s, 10.0)
@@ -251,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             exp = MlflowClient(server.uri).create_experiment("bench-outage")
             for v in VARIANTS:  # one after the other: each has the single-worker server to itself
+                if v == "control":  # as long as rldiag's typical call
+                    args.spin_us = results["rldiag"]["log_call"]["median_ms"] * 1e3
                 results[v] = _one_variant(v, server, exp, work / v, repo, args)
         finally:
             server.kill()
@@ -264,7 +283,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{v:<8}{r['timeline']['down_s']:7.1f}{r['steps']:7d}{r['expected_points']:10d}"
               f"{r['read_back']['distinct_key_step']:8d}{r['lost']:7d}{r['duplicated']:5d}{r['log_call']['max_ms']:10.2f}"
               f"{r['log_call']['p99_ms']:8.3f}{r['drain_s']:9.2f}  {r['error']}; {r['child_log_error_lines']} ERROR log lines")
-    rl, ml = results["rldiag"], results["mlflow"]
+    rl, ml, ctl = results["rldiag"], results["mlflow"], results["control"]
+    print(f"longest training-thread call: rldiag {rl['log_call']['max_ms']:.2f} ms, MLflow {ml['log_call']['max_ms']:.2f} ms; "
+          f"no logging at all (control: {args.spin_us:.0f} us of spinning a call) {ctl['log_call']['max_ms']:.2f} ms",
+          flush=True)
     out["summary"] = [summary_row(
         f"server outage ({rl['timeline']['down_s']:.0f} s / {ml['timeline']['down_s']:.0f} s down) at {args.rate:g} "
         "steps/s: points lost / duplicated",
@@ -273,6 +295,14 @@ def main(argv: list[str] | None = None) -> dict:
         f"{ml['lost']} vs {rl['lost']} lost",
         "0 lost, 0 duplicated",
         rl["lost"] == 0 and rl["duplicated"] == 0,
+    ), summary_row(
+        "server outage: longest training-thread log call (pinned: server on CPU 0, training on CPU 1)",
+        f"{rl['log_call']['max_ms']:.2f} ms (p99 {rl['log_call']['p99_ms']:.2f})",
+        f"no logging, same loop and outage (control, {args.spin_us:.0f} us calls): {ctl['log_call']['max_ms']:.2f} ms; "
+        f"MLflow async: {ml['log_call']['max_ms']:.2f} ms",
+        f"{rl['log_call']['max_ms'] / max(ctl['log_call']['max_ms'], 1e-9):.2f}x control",
+        "< 1 ms",
+        rl["log_call"]["max_ms"] < 1.0,
     )]
     print(f"wrote {write_result(NAME, out)}")
     return out
