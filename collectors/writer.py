@@ -96,6 +96,8 @@ class MetricWriter:
         backoff_s: tuple[float, float] = (0.25, 15.0),
         close_timeout_s: float = 30.0,
     ):
+        if linger_s < 0:
+            raise ValueError(f"linger_s={linger_s}: use 0 or more seconds (how often queued points are taken)")
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch={max_batch} is outside 1..{MAX_BATCH} (MLflow's batch limit)")
         self.run_id = run_id
@@ -191,20 +193,20 @@ class MetricWriter:
         buf: list[Point] = []
         tags: dict[str, str] = {}
         stop = False
+        full = False
         while not stop:
-            try:
-                item = self._q.get(timeout=self._linger)
-            except queue.Empty:
-                continue
-            items = [item]
-            deadline = time.monotonic() + self._linger
-            while True:  # drain what is there, lingering briefly so that batches fill up
+            # Poll rather than block on the queue: a `log_metrics` put then wakes no thread, so the
+            # training thread's call never hands the CPU over mid-call (on a busy core, that hand-over
+            # is a chance for any other runnable task to take the core for a millisecond or more).
+            if not full:
+                time.sleep(max(self._linger, 0.005))  # lingering also lets batches fill up
+            items = []
+            while len(items) <= 4 * self._max_batch:
                 try:
-                    items.append(self._q.get(timeout=max(0.0, deadline - time.monotonic())))
+                    items.append(self._q.get_nowait())
                 except queue.Empty:
                     break
-                if len(items) > 4 * self._max_batch:
-                    break
+            full = len(items) > 4 * self._max_batch  # more is waiting: take it without sleeping
             for it in items:
                 if it is _STOP:
                     stop = True
