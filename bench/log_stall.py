@@ -1,7 +1,7 @@
 """How often the training thread's log call stalls while the tracking server is down, against the same
 loop with no logging at all: is a stall rldiag's, or the machine's?
 
-    python -m bench.log_stall [--rate 200] [--rounds 4] [--round-s 30] [--cpu 1]
+    python -m bench.log_stall [--rate 200] [--rounds 6] [--round-s 30] [--cpu 1] [--quick]
 
 Each round runs two child processes one after the other, both pinned to one CPU (`--cpu`) and paced
 by the clock at `--rate` calls per second:
@@ -85,9 +85,10 @@ def _stats(ms: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, default=200.0, help="log calls per second")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds of rldiag then control")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of rldiag then control")
     ap.add_argument("--round-s", type=float, default=30.0, help="seconds each child logs in a round")
     ap.add_argument("--cpu", type=int, default=1, help="the CPU both children are pinned to")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 10 s")
     ap.add_argument("--child", choices=("rldiag", "control"), help=argparse.SUPPRESS)
     ap.add_argument("--spin-us", type=float, default=50.0, help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child:
         child(args.child, args.rate, args.round_s, args.spin_us, Path(args.dir), Path(args.out))
         return {}
+    if args.quick:
+        args.rounds, args.round_s = 2, 10.0
     if args.cpu not in os.sched_getaffinity(0):
         ap.error(f"--cpu {args.cpu}: this process may run on CPUs {sorted(os.sched_getaffinity(0))} only")
     repo = Path(__file__).resolve().parent.parent
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{k:<8}{s['calls']:7d}{s['median_ms']:10.3f}{s['p999_ms']:9.3f}{s['max_ms']:8.2f}"
               f"{s['over_0_5ms_per_10k']:11.1f}{s['over_1ms_per_10k']:9.1f}")
     result = {
-        "env": env_info(), "rate": args.rate, "rounds": args.rounds, "round_s": args.round_s, "cpu": args.cpu,
+        "env": env_info(), "quick": args.quick, "rate": args.rate, "rounds": args.rounds, "round_s": args.round_s, "cpu": args.cpu,
         "control_spin_us": spin_us, **stats, "rldiag_last_round": extra,
         "summary": [summary_row(
             f"server down: training-thread log calls over 1 ms, per 10,000 ({args.rate:g} calls/s, one CPU)",

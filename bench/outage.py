@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="10 s outage, short phases")
     ap.add_argument("--outage-s", type=float, default=float(os.environ.get("BENCH_OUTAGE_S", "60")))
     ap.add_argument("--pre-s", type=float, default=10.0, help="logging before the kill")
-    ap.add_argument("--post-s", type=float, default=10.0, help="logging after the server answers again")
+    ap.add_argument("--post-s", type=float, default=40.0,
+                    help="logging after the server answers again (long enough to cover the backlog's drain)")
     ap.add_argument("--rate", type=float, default=20.0, help="steps per second")
     ap.add_argument("--close-timeout", type=float, default=300.0, help="rldiag close(timeout=)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,

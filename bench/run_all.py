@@ -1,6 +1,6 @@
 """Run every benchmark one after the other and print the README table.
 
-    python -m bench.run_all                      # full: ~10-15 min on 2 cores (the outage alone ~4-6)
+    python -m bench.run_all                      # full: ~25 min on 2 cores (outage ~8, log_stall ~7, dashboard ~2)
     python -m bench.run_all --quick              # shortened (outage 10 s)
     python -m bench.run_all --only throughput    # some of them; the table uses the other results on disk
     python -m bench.run_all --table-only         # rebuild the table from bench/results/*.json
@@ -21,7 +21,7 @@ from pathlib import Path
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY for the children too
 from bench._common import RESULTS
 
-BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "load_histories", "callback_overhead",
+BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "log_stall", "load_histories", "callback_overhead",
               "divergence_quality", "report_build", "dashboard_load")
 COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 
