@@ -80,7 +80,7 @@ def _divergence_summary(table, candidates: list[str], band: str) -> None:
         if first["kind"] == "nonfinite" and pd.notna(first["first_nonfinite_step"]):
             how = f"non-finite from step {int(first['first_nonfinite_step'])}"
         elif pd.notna(first["delta_sigma"]):
-            how += f", {first['delta_sigma']:+.1f} sigma"
+            how += f", {first['delta_sigma']:+.3g} sigma"
         more = f"; {s['metrics']} metrics in all" if s["metrics"] > 1 else ""
         lines.append(f"- {name} leaves it first on {escape_md(first['metric'])} at step **{int(first['onset_step'])}** "
                      f"({how}){more}")

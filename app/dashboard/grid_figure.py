@@ -14,7 +14,9 @@ on a run hides it everywhere, and each run is listed once, from the first panel 
 
 The margins are fixed (`autoexpand` off), with room for the legend's estimated rows: a legend or tick
 labels pushing a margin make plotly.js lay out and draw the whole figure a second time (0.5 s of the
-1.5 s the 8 panels took).
+1.5 s the 8 panels took). The estimate is for a LEGEND_WIDTH_PX-wide legend; where the browser's
+column is narrower and the legend needs more rows, static/chart_grid.js grows the top margin (and the
+height with it) after drawing, so no legend row is ever cut off.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ TITLE_PX = 30  # above each panel: its title
 AXIS_PX = 55  # below each panel: tick labels and the x axis title
 GAP = 0.07  # between two columns, as a fraction of the width
 MARGIN = dict(l=60, r=20, b=10)  # pixels: l holds y tick labels such as "-0.00012", r the last x tick label
-LEGEND_ROW_PX = 20  # one row of legend entries (10 px text)
+LEGEND_ROW_PX = 29  # one row of a horizontal legend with 10 px text (measured: 1 row 29 px, 3 rows 87)
 LEGEND_WIDTH_PX = 800  # the width the legend's rows are estimated for: a laptop screen's main column
 
 
@@ -75,7 +77,7 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
             text=title.get("text", ""), font=title.get("font", {}), showarrow=False,
             xref=f"{refs['x']} domain", x=0, xanchor="left", yref=f"{refs['y']} domain", y=1, yanchor="bottom",
             yshift=6))
-    legend_px = _legend_rows([t["name"] for t in data if t.get("showlegend")]) * LEGEND_ROW_PX + 6
+    legend_px = _legend_rows([t["name"] for t in data if t.get("showlegend")]) * LEGEND_ROW_PX + 4
     layout.update(height=height + legend_px + MARGIN["b"], margin=dict(MARGIN, t=legend_px, autoexpand=False))
     return {"data": data, "layout": layout}
 

@@ -16,7 +16,7 @@ export default function ({ data, parentElement }) {
     chart.rldiagObserver = new ResizeObserver(() => {
       if (chart.clientWidth === width) return; // the first call, on observe(), changes nothing
       width = chart.clientWidth;
-      Plotly.Plots.resize(chart);
+      Plotly.Plots.resize(chart).then(() => fitLegend(Plotly, chart));
     });
     chart.rldiagObserver.observe(chart);
   }
@@ -24,13 +24,30 @@ export default function ({ data, parentElement }) {
   const start = performance.now();
   const figure = JSON.parse(data.figure);
   const parsed = performance.now();
+  // what grid_figure.py laid out, for fitLegend to grow from and shrink back to
+  chart.rldiagTop = { top: figure.layout.margin.t, height: figure.layout.height };
   Plotly.react(chart, figure.data, figure.layout, data.config).then(() => {
     performance.mark("rldiag.chart_grid.start", { startTime: start });
     performance.measure("rldiag.chart_grid.parse", { start, end: parsed });
     performance.measure("rldiag.chart_grid.draw", { start: parsed, end: performance.now() });
+    return fitLegend(Plotly, chart);
   });
   return () => {
     chart.rldiagObserver.disconnect();
     Plotly.purge(chart);
   };
+}
+
+// The top margin holds the legend's rows as grid_figure.py estimated them for a legend 800 px wide; in a
+// narrower column, or with long run names, the legend wraps to more rows than that and its first rows
+// would be cut off above the figure. Then grow the margin and the height by the difference (one more
+// layout pass, only in that case), and shrink them back when the column widens again.
+function fitLegend(Plotly, chart) {
+  const legend = chart.querySelector(".legend");
+  const layout = chart.layout;
+  const base = chart.rldiagTop;
+  if (!legend || !layout || !layout.margin || !base) return undefined;
+  const top = Math.max(base.top, Math.ceil(legend.getBBox().height) + 4);
+  if (top === layout.margin.t) return undefined;
+  return Plotly.relayout(chart, { "margin.t": top, height: base.height + (top - base.top) });
 }

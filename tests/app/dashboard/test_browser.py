@@ -30,6 +30,9 @@ DRAWN_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p =
     return panels.map(([axis, title]) => ({title, traces: p._fullData.filter(t => (t.xaxis || 'x') === axis)
         .map(t => ({name: t.name, x: Array.from(t.x || [])}))}));
 })"""
+# The chart grid's legend: its height and the top margin that holds it (no row may be cut off above).
+LEGEND_JS = """() => { const gd = document.querySelector('.rldiag-chart-grid');
+    return [gd.querySelector('.legend').getBBox().height, gd._fullLayout.margin.t]; }"""
 # The width plotly laid out each drawn chart at.
 WIDTHS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullLayout)
     .map(p => p._fullLayout.width)"""
@@ -113,8 +116,13 @@ def test_picked_runs_are_drawn_with_nan_markers_and_names_as_text(dash_store, tm
             [width] = page.evaluate(WIDTHS_JS)
             assert 900 < width < 1200  # a 1,500 px window less the sidebar
             assert page.locator("svg.main-svg text.legendtext", has_text="v1 shifted").count() == 1
+            legend_h, top = page.evaluate(LEGEND_JS)
+            assert 20 < legend_h <= top  # one row at this width: the margin grid_figure estimated holds it
             page.set_viewport_size({"width": 1100, "height": 1100})
             page.wait_for_function(f"() => ({WIDTHS_JS})()[0] < {width - 200}")
+            # narrower: the legend wraps to a second row; the margin grows with it (chart_grid.js)
+            page.wait_for_function(f"() => {{ const [h, t] = ({LEGEND_JS})(); return h > {legend_h} && h <= t; }}",
+                                   timeout=20_000)
             page.wait_for_timeout(500)
             shot = screenshot(page, "dashboard-compare")
             assert shot.stat().st_size > 50_000
