@@ -96,6 +96,18 @@ def env_info() -> dict:
     }
 
 
+def spin_call(spin_us: float):
+    """A stand-in for a log call that logs nothing: `call(metrics, step)` spins on the clock for
+    `spin_us` microseconds and returns. Timed like the real call, its stalls are the machine's own
+    (other processes, the hypervisor taking the vCPU), the floor under a logging call's (bench.outage's
+    and bench.log_stall's control)."""
+    def call(metrics, step, _spin=spin_us * 1e-6, _clock=time.perf_counter) -> None:
+        end = _clock() + _spin
+        while _clock() < end:
+            pass
+    return call
+
+
 def summary_row(benchmark: str, rldiag: str, alternative: str, ratio: str, goal: str, met: bool | None) -> dict:
     """One line of the README table (see run_all.py)."""
     return {"benchmark": benchmark, "rldiag": rldiag, "alternative": alternative, "ratio": ratio, "goal": goal,

@@ -37,6 +37,7 @@ import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
 from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
 from bench._server import free_port
 from collectors import keys
+from tests.browser import chromium, drawn_panels_js
 
 NAME = "dashboard_load"
 GOAL_S = 5.0
@@ -46,18 +47,9 @@ METRICS = (keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.
 EXPERIMENT = "bench-dashboard"
 SPIKE = 30.0
 REPO = Path(__file__).resolve().parent.parent
-# Every panel drawn: the Compare page draws one plotly figure whose panels are titled by annotations over
-# their x axes (app/dashboard/grid_figure.py); a one-panel chart is titled by its title.
-PANELS_JS = """p => {
-    const titled = (p._fullLayout.annotations || []).filter(a => / domain$/.test(a.xref));
-    return titled.length ? titled.map(a => [a.xref.split(' ')[0], a.text]) : [['x', p._fullLayout.title.text]];
-}"""
 # Polled every 50 ms: names only (copying every trace's arrays on each poll slowed the page it timed).
-NAMES_JS = f"""() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).flatMap(p =>
-    ({PANELS_JS})(p).map(([axis]) => p._fullData.filter(t => (t.xaxis || 'x') === axis).map(t => t.name)))"""
-DRAWN_JS = f"""() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).flatMap(p =>
-    ({PANELS_JS})(p).map(([axis, title]) => ({{title, traces: p._fullData.filter(t => (t.xaxis || 'x') === axis)
-        .map(t => ({{name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}}))}})))"""
+NAMES_JS = drawn_panels_js("name: t.name")
+DRAWN_JS = drawn_panels_js("name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])")
 # The load's timeline, in ms since navigation: websocket connected, script run started and finished (as
 # the page shows them). Observes the app element's two attributes only, not the page's every change.
 MARKS_JS = """(() => {
@@ -142,7 +134,7 @@ def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: floa
         t0 = time.perf_counter()
         page.goto(url + "compare")
         while True:
-            names = [set(n) for n in page.evaluate(NAMES_JS)]
+            names = [{t["name"] for t in panel["traces"]} for panel in page.evaluate(NAMES_JS)]
             if len(names) >= n_charts and all(set(runs) <= n for n in names):
                 took = time.perf_counter() - t0
                 marks = {k: round(v / 1000, 2) for k, v in page.evaluate("window.__rldiagMarks").items()}
@@ -183,8 +175,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps = 20_000
     quiet_mlflow()
-    from tests.browser import chromium
-
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / f"dashboard-{args.runs}x{args.metrics}x{args.steps}.db"
     t0 = time.perf_counter()

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, summary_row, write_result
+from bench._common import env_info, spin_call, summary_row, write_result
 
 NAME = "log_stall"
 KEYS = [f"policy/k{i:02d}" for i in range(16)]
@@ -51,10 +51,7 @@ def child(kind: str, rate: float, seconds: float, spin_us: float, folder: Path, 
                               backoff_s=(0.05, 0.2))
         log = writer.log_metrics
     else:
-        def log(m, s, _spin=spin_us * 1e-6, _clock=time.perf_counter):  # no logging: spin, then return
-            end = _clock() + _spin
-            while _clock() < end:
-                pass
+        log = spin_call(spin_us)
     t0, step = time.monotonic(), 0
     while time.monotonic() - t0 < seconds:
         slot = t0 + step / rate
@@ -69,7 +66,7 @@ def child(kind: str, rate: float, seconds: float, spin_us: float, folder: Path, 
     res = {"calls_ms": calls}
     if kind == "rldiag":
         res["send_failures"] = writer.stats.send_failures
-        res["journalled_points"] = writer.stats.enqueued
+        res["enqueued_points"] = writer.stats.enqueued
     out.write_text(json.dumps(res))
     os._exit(0)  # the writer would otherwise keep retrying at exit; its journal is a temp folder
 

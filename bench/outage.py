@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import METRIC_KEYS, count_points, env_info, missing_steps, quiet_mlflow, step_metrics, summarize_ms, \
-    summary_row, write_result
+from bench._common import METRIC_KEYS, count_points, env_info, missing_steps, quiet_mlflow, spin_call, \
+    step_metrics, summarize_ms, summary_row, write_result
 from bench._server import MlflowServer
 
 NAME = "outage"
@@ -59,10 +59,7 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
                               close_timeout_s=close_timeout)
         log = writer.log_metrics
     elif kind == "control":
-        def log(m, s, _spin=spin_us * 1e-6, _clock=time.perf_counter):  # no logging: spin, then return
-            end = _clock() + _spin
-            while _clock() < end:
-                pass
+        log = spin_call(spin_us)
     else:
         import mlflow
 

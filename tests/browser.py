@@ -44,6 +44,19 @@ def chromium() -> Iterator[object]:
             browser.close()
 
 
+def drawn_panels_js(fields: str = "name: t.name, x: Array.from(t.x || [])") -> str:
+    """JS for `page.evaluate`: every plotly panel drawn on the page, `[{title, traces: [{<fields>}]}]`,
+    with `fields` an object literal's body over a trace `t` (plotly's `_fullData`). A panel is titled by
+    an annotation over its x axis ("x3 domain": the Compare grid, app/dashboard/grid_figure.py), a
+    one-panel chart by its title."""
+    return f"""() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).flatMap(p => {{
+    const titled = (p._fullLayout.annotations || []).filter(a => / domain$/.test(a.xref));
+    const panels = titled.length ? titled.map(a => [a.xref.split(' ')[0], a.text]) : [['x', p._fullLayout.title.text]];
+    return panels.map(([axis, title]) => ({{title, traces: p._fullData.filter(t => (t.xaxis || 'x') === axis)
+        .map(t => ({{{fields}}}))}}));
+}})"""
+
+
 def screenshot(page, name: str) -> Path:
     """Save a full-page PNG under tests/artifacts/ and return its path."""
     ARTIFACTS.mkdir(exist_ok=True)

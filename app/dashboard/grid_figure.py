@@ -93,6 +93,7 @@ def _legend_rows(names: Sequence[str]) -> int:
         used += entry
     return rows
 
+
 def _ref(ref: str, refs: Mapping[str, str]) -> str:
     """A shape's axis reference ("x", "y domain", "paper") in panel terms."""
     axis, _, rest = ref.partition(" ")

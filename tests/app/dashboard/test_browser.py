@@ -15,21 +15,15 @@ from pathlib import Path
 import pytest
 
 from tests.app.dashboard.conftest import EVIL, NAN_STEPS
-from tests.browser import chromium, screenshot
+from tests.browser import chromium, drawn_panels_js, screenshot
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 READY = ('[data-testid="stApp"][data-test-connection-state="CONNECTED"]'
          '[data-test-script-state="notRunning"]')
 
-# Every panel drawn: its title and, per trace, the name plotly shows and the x it drew. A panel is
-# titled by an annotation over its x axis (app/dashboard/grid_figure.py), a one-panel chart by its title.
-DRAWN_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).flatMap(p => {
-    const titled = (p._fullLayout.annotations || []).filter(a => / domain$/.test(a.xref));
-    const panels = titled.length ? titled.map(a => [a.xref.split(' ')[0], a.text]) : [['x', p._fullLayout.title.text]];
-    return panels.map(([axis, title]) => ({title, traces: p._fullData.filter(t => (t.xaxis || 'x') === axis)
-        .map(t => ({name: t.name, x: Array.from(t.x || [])}))}));
-})"""
+# Every panel drawn: its title and, per trace, the name plotly shows and the x it drew.
+DRAWN_JS = drawn_panels_js()
 # The chart grid's legend: its height and the top margin that holds it (no row may be cut off above).
 LEGEND_JS = """() => { const gd = document.querySelector('.rldiag-chart-grid');
     return [gd.querySelector('.legend').getBBox().height, gd._fullLayout.margin.t]; }"""
