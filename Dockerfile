@@ -1,6 +1,6 @@
 # rldiag's team image: the dashboard (default command), the watcher (`watch ...`) and, with psycopg2 in
-# it, the PostgreSQL-backed `mlflow server` of docker-compose.yml. Core package only: no [vllm], [hf]
-# or [dev] extras, and CPU torch (the read side never runs a model; `collectors` imports torch).
+# it, the PostgreSQL-backed `mlflow server` of docker-compose.yml. The read side: `rldiag[app]`, no
+# [vllm], [hf] or [dev] extras, and CPU torch (the read side never runs a model; the package depends on torch).
 #
 #   docker build -t rldiag:local .
 #   docker run --rm -p 8501:8501 -e MLFLOW_TRACKING_URI=http://mlflow.internal:5000 rldiag:local
@@ -9,8 +9,7 @@
 # ~1.9 GB (108 packages, summed from an identical install): CPU torch 0.76 GB, pyarrow 0.16, scipy
 # 0.14 (with scikit-learn and matplotlib: mlflow's), pandas, sympy (torch's), numpy, mlflow, plotly,
 # streamlit. PyPI's default Linux torch wheel would add the CUDA libraries (several GB): that is why
-# torch comes from PyTorch's CPU index first. The read side needs torch only because `collectors`
-# imports it eagerly.
+# torch comes from PyTorch's CPU index first.
 
 FROM python:3.11-slim-bookworm AS build
 
@@ -25,11 +24,12 @@ RUN python -m venv /opt/venv \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY rldiag/ rldiag/
 COPY collectors/ collectors/
 COPY app/ app/
 COPY experiments/ experiments/
 # The installed CPU torch satisfies the package's torch range, so pip keeps it (checked below).
-RUN pip install --no-cache-dir . "psycopg2-binary==2.9.*" \
+RUN pip install --no-cache-dir "/src[app]" "psycopg2-binary==2.9.*" \
  && python -c "import torch; assert torch.__version__.endswith('+cpu'), torch.__version__" \
  && rldiag --help > /dev/null
 

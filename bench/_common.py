@@ -12,7 +12,7 @@ import statistics
 import time
 from pathlib import Path
 
-from collectors import keys
+from rldiag.collectors import keys
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # 16 keys, as one training step logs them: real rldiag keys (padded should the canonical set shrink).

@@ -35,7 +35,14 @@ import warnings
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, fresh_sqlite_db, quiet_mlflow, summarize_ms, summary_row, write_result
+from bench._common import (
+    env_info,
+    fresh_sqlite_db,
+    quiet_mlflow,
+    summarize_ms,
+    summary_row,
+    write_result,
+)
 
 NAME = "callback_overhead"
 GOAL = 1.05  # Trainer step with RldiagCallback <= 1.05x without
@@ -52,12 +59,18 @@ def main(argv: list[str] | None = None) -> dict:
         args.blocks, args.block_steps = 3, 6
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+    from rldiag.collectors import MetricWriter
+    from rldiag.collectors.integrations.transformers import RldiagCallback
+    from rldiag.collectors.session import RunSession
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PrinterCallback,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
     from transformers.utils import logging as hf_logging
-
-    from collectors import MetricWriter
-    from collectors.integrations.transformers import RldiagCallback
-    from collectors.session import RunSession
 
     quiet_mlflow()
     hf_logging.set_verbosity_error()

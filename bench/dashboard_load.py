@@ -32,11 +32,17 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from rldiag.collectors import keys
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
+from bench._common import (
+    env_info,
+    metric_store,
+    quiet_mlflow,
+    summary_row,
+    write_result,
+)
 from bench._server import free_port
-from collectors import keys
 from tests.browser import chromium, drawn_panels_js
 
 NAME = "dashboard_load"
@@ -55,8 +61,8 @@ DRAWN_JS = drawn_panels_js("name: t.name, x: Array.from(t.x || []), y: Array.fro
 MARKS_JS = """(() => {
   const marks = window.__rldiagMarks = {};
   const watch = (app) => new MutationObserver(() => {
-    const now = performance.now(), state = app.getAttribute('data-test-script-state');
-    if (!marks.connected && app.getAttribute('data-test-connection-state') === 'CONNECTED') marks.connected = now;
+    const now = performance.now(), state = rldiag.app.getAttribute('data-test-script-state');
+    if (!marks.connected && rldiag.app.getAttribute('data-test-connection-state') === 'CONNECTED') marks.connected = now;
     if (!marks.script_started && state === 'running') marks.script_started = now;
     if (marks.script_started && !marks.script_done && state === 'notRunning') marks.script_done = now;
   }).observe(app, {attributes: true, attributeFilter: ['data-test-connection-state', 'data-test-script-state']});
@@ -109,7 +115,7 @@ def build_store(path: Path, n_runs: int, n_metrics: int, steps: int) -> str:
 
 def serve(uri: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "app", "--tracking-uri", uri, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "rldiag.app.cli.main", "app", "--tracking-uri", uri, "--port", str(port),
                              "--no-browser"], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}/"

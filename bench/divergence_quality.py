@@ -20,8 +20,8 @@ import argparse
 import time
 
 import numpy as np
+from rldiag.app.analysis.divergence import detect_divergence
 
-from app.divergence import detect_divergence
 from bench._common import env_info, summary_row, write_result
 from bench.divergence_data import ONSET, apply_change, refs, seed_run, trace
 

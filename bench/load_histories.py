@@ -5,7 +5,7 @@
 
 Three ways, each timed to the same end point (every point of every run's 8 metrics in memory as
 numbers, NaN as NaN):
-- rldiag: `app.histories.load_histories` (read-only SQL, one query), building per-run, per-metric
+- rldiag: `rldiag.app.data.histories.load_histories` (read-only SQL, one query), building per-run, per-metric
   numpy traces with inf restored and steps aligned;
 - MLflow: `MlflowClient.get_metric_history` per run per metric (what a user would write);
 - raw SQL (the floor): `pandas.read_sql` of the store's `metrics` table for those runs and keys.
@@ -33,10 +33,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+from rldiag.collectors import keys
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
-from collectors import keys
+from bench._common import (
+    env_info,
+    metric_store,
+    quiet_mlflow,
+    summary_row,
+    write_result,
+)
 
 NAME = "load_histories"
 GOAL = 1.3  # rldiag <= 1.3x the raw SQL read
@@ -83,7 +89,7 @@ def append_steps(path: Path, run_id: str, metric_keys: tuple[str, ...], start: i
 
 
 def time_rldiag(uri: str, ids: list[str], metric_keys) -> tuple[float, object]:
-    from app.histories import load_histories
+    from rldiag.app.data.histories import load_histories
 
     t0 = time.perf_counter()
     h = load_histories(uri, ids, metric_keys)
@@ -200,9 +206,9 @@ def time_server(path: Path, ids: list[str], metric_keys) -> dict:
 
 def _time_reads(uri: str, backend_uri: str, ids: list[str], metric_keys, what: str) -> dict:
     """rldiag over REST, rldiag given the backend store, and MlflowClient, one after the other."""
-    from app.histories import load_histories
-    from app.store import open_store
     from mlflow.tracking import MlflowClient
+    from rldiag.app.data.histories import load_histories
+    from rldiag.app.data.store import open_store
 
     load_histories(uri, ids[:1], metric_keys[:1])  # first request: lazy imports server-side
     t0 = time.perf_counter()
@@ -287,7 +293,7 @@ def time_postgres(path: Path, ids: list[str], metric_keys) -> dict:
 
 
 def load_histories_again(uri, ids, metric_keys, previous):
-    from app.histories import load_histories
+    from rldiag.app.data.histories import load_histories
 
     return load_histories(uri, ids, metric_keys, previous=previous)
 

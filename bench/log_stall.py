@@ -41,8 +41,8 @@ def child(kind: str, rate: float, seconds: float, spin_us: float, folder: Path, 
     calls: list[float] = []
     if kind == "rldiag":
         logging.disable(logging.CRITICAL)  # the "store unreachable" warning
-        from collectors.mlflow_store import make_sender
-        from collectors.writer import MetricWriter
+        from rldiag.collectors.mlflow_store import make_sender
+        from rldiag.collectors.writer import MetricWriter
 
         with socket.socket() as s:  # a free port that nothing listens on: every send is refused
             s.bind(("127.0.0.1", 0))

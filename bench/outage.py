@@ -33,8 +33,18 @@ import time
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import METRIC_KEYS, count_points, env_info, missing_steps, quiet_mlflow, spin_call, \
-    step_metrics, summarize_ms, summary_row, write_result
+from bench._common import (
+    METRIC_KEYS,
+    count_points,
+    env_info,
+    missing_steps,
+    quiet_mlflow,
+    spin_call,
+    step_metrics,
+    summarize_ms,
+    summary_row,
+    write_result,
+)
 from bench._server import MlflowServer
 
 NAME = "outage"
@@ -52,8 +62,8 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
     quiet_mlflow()
     stop, go = folder / "stop", folder / "go"
     if kind == "rldiag":
-        from collectors.mlflow_store import make_sender
-        from collectors.writer import MetricWriter
+        from rldiag.collectors.mlflow_store import make_sender
+        from rldiag.collectors.writer import MetricWriter
 
         writer = MetricWriter(run_id, make_sender(uri), tracking_uri=uri, spill_dir=folder / "spill",
                               close_timeout_s=close_timeout)

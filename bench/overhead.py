@@ -35,7 +35,14 @@ import warnings
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, fresh_sqlite_db, quiet_mlflow, summarize_ms, summary_row, write_result
+from bench._common import (
+    env_info,
+    fresh_sqlite_db,
+    quiet_mlflow,
+    summarize_ms,
+    summary_row,
+    write_result,
+)
 
 NAME = "overhead"
 GOAL = 1.05  # rldiag step <= 1.05x bare
@@ -54,9 +61,8 @@ def _median_ms(fn, n: int = 15) -> float:
 def _components(model, ids, loss_of, mon, policy_metrics, lp_old, mask, rewards, uri: str, run_id: str) -> dict:
     """Each piece rldiag adds to a step, timed on its own (median ms), to say where the overhead goes."""
     import torch
-
-    from collectors.metrics import entropy_from_logits
-    from collectors.mlflow_store import make_sender
+    from rldiag.collectors.metrics import entropy_from_logits
+    from rldiag.collectors.mlflow_store import make_sender
 
     out: dict[str, float] = {}
 
@@ -108,10 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.blocks, args.block_steps = 3, 5
 
     import torch
-
-    from collectors import MetricWriter, Monitor, policy_metrics
-    from collectors.mlflow_store import make_sender
-    from experiments.tiny_policy import PolicyConfig, TinyPolicy, token_logprobs
+    from rldiag.collectors import MetricWriter, Monitor, policy_metrics
+    from rldiag.collectors.mlflow_store import make_sender
+    from rldiag.experiments.tiny_policy import PolicyConfig, TinyPolicy, token_logprobs
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,12 +11,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from app.divergence import detect_divergence
-from app.figures import ChartOptions, metric_figure, run_colors
-from app.histories import load_histories
-from app.runs import find_runs
-from collectors import keys
-from collectors.settings import default_tracking_uri
+from rldiag.app.analysis.divergence import detect_divergence
+from rldiag.app.data.histories import load_histories
+from rldiag.app.data.runs import find_runs
+from rldiag.app.plots.figures import ChartOptions, metric_figure, run_colors
+from rldiag.collectors import keys
+from rldiag.collectors.settings import default_tracking_uri
 
 OUT = Path(__file__).resolve().parent.parent / "experiments" / "figures"
 FIGURES = {  # file name: (rldiag.group, metrics, caption)

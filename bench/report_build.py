@@ -2,7 +2,7 @@
 
     python -m bench.report_build [--runs 10] [--metrics 8] [--steps 20000] [--rounds 3] [--quick]
 
-Times `app.report.build_report(uri, group=...)` end to end (find the runs, load every point, detect
+Times `rldiag.app.report.build.build_report(uri, group=...)` end to end (find the runs, load every point, detect
 divergence per candidate and metric, build the figures, render the HTML and Markdown), and its two
 halves (`load_histories`, `render_report`); measures the HTML's size; then checks the figure data:
 every injected NaN and +inf step is a marker of its run, and every spike (up and down, at least 200
@@ -24,10 +24,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+from rldiag.collectors import keys
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
-from collectors import keys
+from bench._common import (
+    env_info,
+    metric_store,
+    quiet_mlflow,
+    summary_row,
+    write_result,
+)
 
 NAME = "report_build"
 GOAL_S = 5.0
@@ -71,7 +77,7 @@ def build_store(path: Path, n_runs: int, n_metrics: int, steps: int) -> tuple[st
 
 def check_figures(report, ids: list[str], n_metrics: int, steps: int) -> dict:
     """Every injected NaN/+inf step a marker, every spike a line point at its value; what is missing, listed."""
-    from app.figures import NAN_SUFFIX, POSINF_SUFFIX, trace_names
+    from rldiag.app.plots.figures import NAN_SUFFIX, POSINF_SUFFIX, trace_names
 
     labels = report.labels
     kept = {"nan": 0, "posinf": 0, "spikes": 0}
@@ -111,9 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     quiet_mlflow()
-    from app.histories import load_histories
-    from app.report import build_report, render_report
-    from app.store import open_store
+    from rldiag.app.data.histories import load_histories
+    from rldiag.app.data.store import open_store
+    from rldiag.app.report.build import build_report, render_report
 
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / f"report-{args.runs}x{args.metrics}x{args.steps}.db"

@@ -20,8 +20,16 @@ import time
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import METRIC_KEYS, count_points, env_info, fresh_sqlite_db, quiet_mlflow, step_metrics, \
-    summary_row, write_result
+from bench._common import (
+    METRIC_KEYS,
+    count_points,
+    env_info,
+    fresh_sqlite_db,
+    quiet_mlflow,
+    step_metrics,
+    summary_row,
+    write_result,
+)
 
 NAME = "throughput"
 GOAL = 0.9  # rldiag >= 0.9x the points/s of raw log_batch
@@ -36,8 +44,8 @@ def _new_run(uri: str, name: str) -> str:
 
 
 def run_rldiag(uri: str, db: Path, steps: int, spill: Path | None) -> dict:
-    from collectors.mlflow_store import make_sender
-    from collectors.writer import MetricWriter
+    from rldiag.collectors.mlflow_store import make_sender
+    from rldiag.collectors.writer import MetricWriter
 
     run_id = _new_run(uri, "rldiag")
     rng = random.Random(0)

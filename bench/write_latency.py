@@ -19,8 +19,17 @@ import time
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import METRIC_KEYS, count_points, env_info, fresh_sqlite_db, quiet_mlflow, step_metrics, summarize_ms, \
-    summary_row, write_result
+from bench._common import (
+    METRIC_KEYS,
+    count_points,
+    env_info,
+    fresh_sqlite_db,
+    quiet_mlflow,
+    step_metrics,
+    summarize_ms,
+    summary_row,
+    write_result,
+)
 from bench._server import MlflowServer
 
 NAME = "write_latency"
@@ -45,9 +54,8 @@ def _timed_loop(log, steps: int, gap_s: float, seed: int) -> list[float]:
 def bench_store(label: str, uri: str, db: Path, work: Path, *, sync_steps: int, async_steps: int, gap_s: float) -> dict:
     import mlflow
     from mlflow.tracking import MlflowClient
-
-    from collectors.mlflow_store import make_sender
-    from collectors.writer import MetricWriter
+    from rldiag.collectors.mlflow_store import make_sender
+    from rldiag.collectors.writer import MetricWriter
 
     client = MlflowClient(uri)
     exp = client.create_experiment(f"bench-write-latency-{label}-{time.time_ns()}")

@@ -1,41 +1,48 @@
 """rldiag's write side: per-step RL diagnostics and non-finite gradient alerts, logged to MLflow.
 
-Light to import: each public name loads its module on first use (`collectors.keys` needs no torch);
+Light to import: each public name loads its module on first use (`rldiag.collectors.keys` needs no torch);
 the metrics and the gradient check load torch, and mlflow loads when a `Monitor` opens a run.
 """
 
-import importlib
 from typing import TYPE_CHECKING
 
-# name -> the module that defines it; loaded on first use, so that `collectors.keys` (all the read side
-# needs) imports without torch, and `from collectors import Monitor` loads only what Monitor needs.
+from rldiag.collectors.lazy import lazy_exports
+
+# name -> the module that defines it; loaded on first use, so that `rldiag.collectors.keys` (all the read side
+# needs) imports without torch, and `from rldiag.collectors import Monitor` loads only what Monitor needs.
 _EXPORTS: dict[str, str] = {
-    "AlertDispatcher": "collectors.alerts",
-    "JsonlSink": "collectors.alerts",
-    "LoggingSink": "collectors.alerts",
-    "NonFiniteGradAlert": "collectors.alerts",
-    "WebhookSink": "collectors.alerts",
-    "GradReport": "collectors.gradcheck",
-    "LogitsProbe": "collectors.gradcheck",
-    "check_gradients": "collectors.gradcheck",
-    "clip_rate": "collectors.metrics",
-    "entropy_from_logits": "collectors.metrics",
-    "kl_new_old": "collectors.metrics",
-    "logprob_mismatch": "collectors.metrics",
-    "policy_metrics": "collectors.metrics",
-    "ratio_stats": "collectors.metrics",
-    "reward_stats": "collectors.metrics",
-    "sequence_clip_rate": "collectors.metrics",
-    "to_host": "collectors.metrics",
-    "Monitor": "collectors.monitor",
-    "NonFiniteGradientError": "collectors.monitor",
-    "MetricWriter": "collectors.writer",
+    "AlertDispatcher": "rldiag.collectors.alerts",
+    "JsonlSink": "rldiag.collectors.alerts",
+    "LoggingSink": "rldiag.collectors.alerts",
+    "NonFiniteGradAlert": "rldiag.collectors.alerts",
+    "WebhookSink": "rldiag.collectors.alerts",
+    "GradReport": "rldiag.collectors.gradcheck",
+    "LogitsProbe": "rldiag.collectors.gradcheck",
+    "check_gradients": "rldiag.collectors.gradcheck",
+    "clip_rate": "rldiag.collectors.metrics",
+    "entropy_from_logits": "rldiag.collectors.metrics",
+    "kl_new_old": "rldiag.collectors.metrics",
+    "logprob_mismatch": "rldiag.collectors.metrics",
+    "policy_metrics": "rldiag.collectors.metrics",
+    "ratio_stats": "rldiag.collectors.metrics",
+    "reward_stats": "rldiag.collectors.metrics",
+    "sequence_clip_rate": "rldiag.collectors.metrics",
+    "to_host": "rldiag.collectors.metrics",
+    "Monitor": "rldiag.collectors.monitor",
+    "NonFiniteGradientError": "rldiag.collectors.monitor",
+    "MetricWriter": "rldiag.collectors.writer",
 }
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below loads each name on first use
-    from collectors.alerts import AlertDispatcher, JsonlSink, LoggingSink, NonFiniteGradAlert, WebhookSink
-    from collectors.gradcheck import GradReport, LogitsProbe, check_gradients
-    from collectors.metrics import (
+    from rldiag.collectors.alerts import (
+        AlertDispatcher,
+        JsonlSink,
+        LoggingSink,
+        NonFiniteGradAlert,
+        WebhookSink,
+    )
+    from rldiag.collectors.gradcheck import GradReport, LogitsProbe, check_gradients
+    from rldiag.collectors.metrics import (
         clip_rate,
         entropy_from_logits,
         kl_new_old,
@@ -46,21 +53,8 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below loads 
         sequence_clip_rate,
         to_host,
     )
-    from collectors.monitor import Monitor, NonFiniteGradientError
-    from collectors.writer import MetricWriter
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'collectors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    from rldiag.collectors.monitor import Monitor, NonFiniteGradientError
+    from rldiag.collectors.writer import MetricWriter
 
 
 __all__ = [
@@ -85,3 +79,5 @@ __all__ = [
     "sequence_clip_rate",
     "to_host",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

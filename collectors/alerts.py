@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from collectors import keys
+from rldiag.collectors import keys
 
 log = logging.getLogger("rldiag.alerts")
 

@@ -15,9 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-
-from collectors import keys
-from collectors.gradcheck import NonFinitePosition
+from rldiag.collectors import keys
+from rldiag.collectors.gradcheck import NonFinitePosition
 
 Tensor = torch.Tensor
 

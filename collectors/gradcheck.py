@@ -137,7 +137,7 @@ class GradReport:
     nonfinite_positions: int = 0  # total count; `positions` holds at most the probe's max_positions
 
     def metrics(self) -> dict[str, float]:
-        from collectors import keys
+        from rldiag.collectors import keys
 
         return {
             keys.GRAD_NORM: self.norm,

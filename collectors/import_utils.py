@@ -29,3 +29,19 @@ def is_trl_available() -> bool:
 
 def is_vllm_available() -> bool:
     return is_available("vllm")
+
+
+# What each extra brings (top-level module names), so that a missing one can be named with its extra.
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "app": ("streamlit", "plotly", "pandas", "tsdownsample", "adbc_driver_sqlite", "adbc_driver_manager",
+            "pyarrow", "requests"),
+    "hf": ("transformers", "trl", "accelerate"),
+    "vllm": ("vllm",),
+    "postgres": ("psycopg2",),
+}
+
+
+def extra_for(error: ImportError) -> str | None:
+    """The pip extra that brings the module an ImportError names (None when no extra does)."""
+    name = (getattr(error, "name", None) or "").split(".")[0]
+    return next((extra for extra, mods in EXTRA_MODULES.items() if name in mods), None)

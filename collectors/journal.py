@@ -14,8 +14,8 @@ written as JSON's `NaN` / `Infinity` tokens, which Python's json reads back.
 
 from __future__ import annotations
 
-import json
 import errno
+import json
 import os
 import stat
 import threading

@@ -17,8 +17,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
-
-from collectors import keys
+from rldiag.collectors import keys
 
 Tensor = torch.Tensor
 

@@ -11,7 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from collectors.journal import Point
+from rldiag.collectors.journal import Point
+from rldiag.collectors.uri import is_http, probe_server, redact_uri
 
 log = logging.getLogger("rldiag.mlflow")
 
@@ -120,21 +121,15 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
 def _probe_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
     """Fail in seconds, not minutes, on an http(s) store that does not answer (MLflow's client would
     retry for about four minutes)."""
-    if not tracking_uri.startswith(("http://", "https://")):
+    if not is_http(tracking_uri):
         return
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout_s).close()
-    except urllib.error.HTTPError:
-        return  # it answers: a proxy or a server without /health; let MLflow's own calls decide
-    except OSError as e:
+    why = probe_server(tracking_uri, timeout_s)
+    if why is not None:
         raise TrackingStoreError(
-            f"cannot reach the MLflow tracking server at {tracking_uri!r} ({getattr(e, 'reason', e)}). "
+            f"cannot reach the MLflow tracking server at {redact_uri(tracking_uri)!r} ({why}). "
             "Start it (mlflow server --host 127.0.0.1 --port 5000) or fix MLFLOW_TRACKING_URI; "
             "unset it to use the local sqlite:///mlruns.db."
-        ) from None
+        )
 
 
 def _experiment_id(client, name: str) -> str:

@@ -20,14 +20,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from rldiag.collectors import distributed, keys
+from rldiag.collectors.alerts import NonFiniteGradAlert
+from rldiag.collectors.gradcheck import (
+    GradReport,
+    LogitsProbe,
+    build_report,
+    grad_norm_stats,
+    named_grads,
+)
+from rldiag.collectors.metrics import pack, to_host
+from rldiag.collectors.session import NonFiniteGradientError, RunSession
+from rldiag.collectors.writer import WriterStats
 from torch import nn
-
-from collectors import distributed, keys
-from collectors.alerts import NonFiniteGradAlert
-from collectors.metrics import pack, to_host
-from collectors.gradcheck import GradReport, LogitsProbe, build_report, grad_norm_stats, named_grads
-from collectors.session import NonFiniteGradientError, RunSession
-from collectors.writer import WriterStats
 
 log = logging.getLogger("rldiag")
 

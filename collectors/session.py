@@ -13,17 +13,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from collectors import keys
-from collectors.alerts import AlertDispatcher, JsonlSink, LoggingSink, MlflowTagSink, NonFiniteGradAlert, Sink, WebhookSink
-from collectors.gradcheck import GradReport
-from collectors.settings import (
+from rldiag.collectors import keys
+from rldiag.collectors.alerts import (
+    AlertDispatcher,
+    JsonlSink,
+    LoggingSink,
+    MlflowTagSink,
+    NonFiniteGradAlert,
+    Sink,
+    WebhookSink,
+)
+from rldiag.collectors.gradcheck import GradReport
+from rldiag.collectors.settings import (
     RLDIAG_ALERTS_JSONL,
     RLDIAG_CLOSE_TIMEOUT,
     RLDIAG_SPILL_DIR,
     RLDIAG_WEBHOOK_URL,
     default_tracking_uri,
 )
-from collectors.writer import MetricWriter, WriterStats
+from rldiag.collectors.writer import MetricWriter, WriterStats
 
 log = logging.getLogger("rldiag")
 
@@ -75,7 +83,7 @@ class RunSession:
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is not one of {POLICIES}; e.g. policy='skip'")
-        from collectors.mlflow_store import make_sender, open_run
+        from rldiag.collectors.mlflow_store import make_sender, open_run
 
         self.policy = policy
         self.tracking_uri = tracking_uri or default_tracking_uri()

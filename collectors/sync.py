@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from collectors.journal import read_journal
-from collectors.settings import default_tracking_uri
-from collectors.writer import MetricWriter, SendFn, WriterStats
+from rldiag.collectors.journal import read_journal
+from rldiag.collectors.settings import default_tracking_uri
+from rldiag.collectors.writer import MetricWriter, SendFn, WriterStats
 
 
 class JournalError(ValueError):
@@ -28,7 +28,7 @@ def sync_journal(path: str | Path, *, tracking_uri: str | None = None, send: Sen
         raise JournalError(f"{path} has no rldiag journal header (first line); is it a writer journal?")
     uri = tracking_uri or contents.tracking_uri or default_tracking_uri()
     if send is None:
-        from collectors.mlflow_store import make_sender
+        from rldiag.collectors.mlflow_store import make_sender
 
         send = make_sender(uri)
     writer = MetricWriter(contents.run_id, send, tracking_uri=uri, journal_file=path, close_timeout_s=timeout_s)

@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from collectors import keys
-from collectors.journal import Batch, Journal, Point, journal_path, read_journal
+from rldiag.collectors import keys
+from rldiag.collectors.journal import Batch, Journal, Point, journal_path, read_journal
 
 log = logging.getLogger("rldiag.writer")
 

@@ -2,7 +2,7 @@
 
     rldiag experiment engine-parity                          # every variant, 3 reference seeds
     rldiag experiment engine-parity --steps 10 --variants v0-parity,v1-defaults
-    python -m experiments.engine_parity --steps 30           # the same without the rldiag entry point
+    python -m rldiag.experiments.engine_parity --steps 30           # the same without the rldiag entry point
 
 Online RL with a GSPO objective (sequence ratio `s_i = exp(mean_t(lp_new - lp_old))`, clipped to
 `[1-eps_low, 1+eps_high]`, group-normalised advantages, one optimizer step per rollout): a tiny
@@ -36,17 +36,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from rldiag.collectors import Monitor, keys, policy_metrics
+from rldiag.collectors.integrations.vllm import process_logits, rollout_from_outputs
+from rldiag.experiments.parity_engine import Engine, EngineConfig, config_params
+from rldiag.experiments.summary import RunSummary, format_summaries
+from rldiag.experiments.tiny_hf_model import (
+    VLLM_TINY_QWEN2,
+    build_tiny_qwen2,
+    save_tiny_qwen2,
+)
 from tqdm.auto import tqdm
-
-from collectors import Monitor, keys, policy_metrics
-from collectors.integrations.vllm import process_logits, rollout_from_outputs
-from experiments.parity_engine import Engine, EngineConfig, config_params
-from experiments.summary import RunSummary, format_summaries
-from experiments.tiny_hf_model import VLLM_TINY_QWEN2, build_tiny_qwen2, save_tiny_qwen2
 
 GROUP = "v0_vs_v1"
 REFERENCE = "v0-parity"
-# Experiment-specific per-step values (not canonical metrics, so not in collectors.keys).
+# Experiment-specific per-step values (not canonical metrics, so not in rldiag.collectors.keys).
 # prompt tokens served from the prefix cache / prompt tokens; includes the blocks that the `group`
 # samples of one prompt share within a step (same weights: harmless)
 KEY_PREFIX_HIT = keys.ENGINE_PREFIX_CACHE_HIT_RATE
@@ -281,13 +284,13 @@ def run_experiment(cfg: ParityConfig, *, tracking_uri: str | None = None, progre
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `rldiag experiment engine-parity` (the tracking URI is added by experiments.cli)."""
+    """Options of `rldiag experiment engine-parity` (the tracking URI is added by rldiag.app.cli.experiment)."""
     d = ParityConfig()
     parser.add_argument("--steps", type=int, default=d.steps, help="rollout steps per run")
     parser.add_argument("--seeds", type=int, default=d.seeds, help=f"seeds of the reference variant ({REFERENCE})")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated variants to run, from: {', '.join(VARIANTS)}")
-    # dest: not `experiment` (experiments.cli keeps the chosen experiment in args.experiment_name)
+    # dest: not `experiment` (rldiag.app.cli.experiment keeps the chosen experiment in args.experiment_name)
     parser.add_argument("--experiment", dest="mlflow_experiment", default=d.experiment, help="MLflow experiment")
 
 
@@ -300,7 +303,7 @@ def config_from_args(args: argparse.Namespace) -> ParityConfig:
 
 def run(args: argparse.Namespace) -> int:
     """`rldiag experiment engine-parity`: validate the options (before any engine starts), run, summarise."""
-    from collectors.settings import default_tracking_uri
+    from rldiag.collectors.settings import default_tracking_uri
 
     cfg = config_from_args(args)
     uri = getattr(args, "tracking_uri", None) or default_tracking_uri()
@@ -310,8 +313,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m experiments.engine_parity`: the same options as the rldiag command."""
-    parser = argparse.ArgumentParser(prog="python -m experiments.engine_parity", description=__doc__.split("\n")[0],
+    """`python -m rldiag.experiments.engine_parity`: the same options as the rldiag command."""
+    parser = argparse.ArgumentParser(prog="python -m rldiag.experiments.engine_parity", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "

@@ -15,10 +15,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from rldiag.collectors import Monitor, keys, policy_metrics
+from rldiag.experiments.tiny_policy import (
+    PolicyConfig,
+    TinyPolicy,
+    sample,
+    token_logprobs,
+)
 from tqdm.auto import tqdm
-
-from collectors import Monitor, keys, policy_metrics
-from experiments.tiny_policy import PolicyConfig, TinyPolicy, sample, token_logprobs
 
 
 @dataclass

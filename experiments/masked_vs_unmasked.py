@@ -34,13 +34,16 @@ import argparse
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+from rldiag.collectors import Monitor, entropy_from_logits, keys, reward_stats
+from rldiag.collectors.metrics import masked_mean
+from rldiag.experiments.distill_loss import (
+    TeacherLogprobs,
+    pad_ragged,
+    sparse_top1_divergence,
+)
+from rldiag.experiments.summary import RunSummary, format_summaries
+from rldiag.experiments.tiny_policy import PolicyConfig, TinyPolicy, sample
 from tqdm.auto import tqdm
-
-from collectors import Monitor, entropy_from_logits, keys, reward_stats
-from collectors.metrics import masked_mean
-from experiments.distill_loss import TeacherLogprobs, pad_ragged, sparse_top1_divergence
-from experiments.summary import RunSummary, format_summaries
-from experiments.tiny_policy import PolicyConfig, TinyPolicy, sample
 
 GROUP = "masked_vs_unmasked"
 VARIANTS = ("masked", "unmasked")
@@ -48,7 +51,7 @@ ROLE = {"masked": "reference", "unmasked": "candidate"}
 PAD_ID = 0  # token id at padded completion positions
 DEFAULT_EXPERIMENT = "rldiag-masked-vs-unmasked"
 
-# This experiment's own metrics (the canonical ones come from collectors.keys).
+# This experiment's own metrics (the canonical ones come from rldiag.collectors.keys).
 LOSS_SUPPORT = keys.DISTILL_LOSS_SUPPORT
 LOSS_TAIL = keys.DISTILL_LOSS_TAIL
 TEACHER_NONFINITE = keys.DISTILL_TEACHER_NONFINITE
@@ -270,22 +273,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="1x1,1x2,2x1",
                         help="comma-separated BATCHxACCUMULATION (per-device batch size x gradient accumulation)")
     parser.add_argument("--beta", type=float, default=d.beta, help="1.0 reverse KL; between 0 and 1 generalised JSD")
-    # dest: not `experiment` (experiments.cli keeps the chosen experiment in args.experiment_name)
+    # dest: not `experiment` (rldiag.app.cli.experiment keeps the chosen experiment in args.experiment_name)
     parser.add_argument("--experiment", dest="mlflow_experiment", metavar="NAME",
                         default=DEFAULT_EXPERIMENT,
                         help="MLflow experiment name")
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.cli import CliError
-    from collectors.settings import default_tracking_uri
+    from rldiag.collectors.settings import default_tracking_uri
 
-    try:
-        cfg = ExperimentConfig(variants=parse_variants(args.variants), configs=parse_configs(args.configs),
-                               seeds=parse_seeds(args.seeds), experiment=args.mlflow_experiment,
-                               base=DistillConfig(steps=args.steps, beta=args.beta))
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    # a ValueError here (bad --variants, --configs, --seeds) is the command line's one-line error
+    cfg = ExperimentConfig(variants=parse_variants(args.variants), configs=parse_configs(args.configs),
+                           seeds=parse_seeds(args.seeds), experiment=args.mlflow_experiment,
+                           base=DistillConfig(steps=args.steps, beta=args.beta))
     uri = args.tracking_uri or default_tracking_uri()
     summaries = run_experiment(cfg, tracking_uri=uri)
     print(format_summaries(summaries, tracking_uri=uri, experiment=cfg.experiment))

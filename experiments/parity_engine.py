@@ -65,9 +65,8 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, *, max_model_len: int):
         set_engine_env()
+        from rldiag.collectors.integrations.vllm import engine_fingerprint
         from vllm import LLM
-
-        from collectors.integrations.vllm import engine_fingerprint
 
         self.cfg = cfg
         self.requested = engine_kwargs(model_dir, cfg, max_model_len=max_model_len)
@@ -115,7 +114,7 @@ class Engine:
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     def close(self) -> None:
-        from collectors.integrations.vllm import shutdown_engine
+        from rldiag.collectors.integrations.vllm import shutdown_engine
 
         shutdown_engine(self.llm)
         del self.llm

@@ -4,6 +4,6 @@ The builder lives in `experiments/tiny_hf_model.py` (experiments must not import
 keep importing it from here.
 """
 
-from experiments.tiny_hf_model import save_tiny_qwen2, tiny_word_tokenizer
+from rldiag.experiments.tiny_hf_model import save_tiny_qwen2, tiny_word_tokenizer
 
 __all__ = ["save_tiny_qwen2", "tiny_word_tokenizer"]

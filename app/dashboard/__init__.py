@@ -6,7 +6,7 @@ loaders. This package's import is light (no streamlit): `launch.py` imports it f
 
 from __future__ import annotations
 
-from collectors.settings import EnvVar
+from rldiag.collectors.settings import EnvVar
 
 # How `rldiag app` hands its options to the Streamlit process (one place, as collectors/settings.py).
 RLDIAG_TRACKING_URI = EnvVar("RLDIAG_TRACKING_URI", None,

@@ -5,7 +5,7 @@ by plotly.js's basic bundle in a Streamlit component (`st.components.v2`).
 
 Why not `st.plotly_chart`: that element loads Streamlit's full plotly.js (4.7 MB), whose evaluation
 alone took 2.5-3 s of a 2-core machine's page load, against 0.5 s for the basic bundle (scatter, bar
-and pie: every trace app.figures draws). The bundle, `static/plotly-basic.min.js`, is npm's
+and pie: every trace rldiag.app.plots.figures draws). The bundle, `static/plotly-basic.min.js`, is npm's
 plotly.js-basic-dist-min 4.1.1 (MIT, its licence header kept), vendored as plotly.py vendors its own:
 `npm pack plotly.js-basic-dist-min@VERSION` and copy `package/plotly-basic.min.js` to update it.
 

@@ -8,13 +8,18 @@ from dataclasses import replace
 
 import pandas as pd
 import streamlit as st
-
-from app.dashboard import RLDIAG_REFRESH_S, data
-from app.dashboard.chart_grid import chart_grid
-from app.dashboard.selection import Selection, current, escape_md, label_list, needs_runs
-from app.decimate import DEFAULT_POINTS
-from app.figures import ChartOptions, run_colors
-from app.runs import runs_with_metrics
+from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
+from rldiag.app.dashboard.chart_grid import chart_grid
+from rldiag.app.dashboard.selection import (
+    Selection,
+    current,
+    escape_md,
+    label_list,
+    needs_runs,
+)
+from rldiag.app.data.runs import runs_with_metrics
+from rldiag.app.plots.decimate import DEFAULT_POINTS
+from rldiag.app.plots.figures import ChartOptions, run_colors
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
 CHART_POINTS = 1200  # line points per run and chart: each bucket's min and max for a half-width chart
@@ -154,7 +159,7 @@ def render() -> None:
 
 
 def _downloads(sel: Selection, run_ids: list[str], metric_keys: list[str], options: ChartOptions) -> None:
-    """The run-comparison report (app.report) as HTML and Markdown, built only when asked (it embeds
+    """The run-comparison report (rldiag.app.report.build) as HTML and Markdown, built only when asked (it embeds
     plotly.js and every chart: seconds, not for every rerun)."""
     refs = [r for r in sel.reference_ids if r in run_ids]
     cands = [r for r in sel.candidate_ids if r in run_ids]
@@ -166,7 +171,7 @@ def _downloads(sel: Selection, run_ids: list[str], metric_keys: list[str], optio
     wanted = (loaded.stamp, tuple(refs), tuple(cands), tuple(metric_keys), options)
     built = st.session_state.get("compare.report")
     if st.button("Build report (HTML + Markdown)", key="compare.report.build"):
-        from app.report import render_report
+        from rldiag.app.report.build import render_report
 
         with st.spinner("Rendering the report..."):
             try:
@@ -186,7 +191,3 @@ def _downloads(sel: Selection, run_ids: list[str], metric_keys: list[str], optio
                        key="compare.report.html", on_click="ignore")
     c2.download_button("Download Markdown summary", built[2], file_name="rldiag-report.md", mime="text/markdown",
                        key="compare.report.md", on_click="ignore")
-
-
-if __name__ == "__main__":
-    render()

@@ -1,12 +1,11 @@
 """Config diff: params and tags of the picked runs side by side, differing rows first, the
-engine-parity knobs and the batch/accumulation settings leading (`app.configdiff`)."""
+engine-parity knobs and the batch/accumulation settings leading (`rldiag.app.analysis.config_diff`)."""
 
 from __future__ import annotations
 
 import streamlit as st
-
-from app.dashboard import data
-from app.dashboard.selection import current, needs_runs
+from rldiag.app.dashboard import data
+from rldiag.app.dashboard.selection import current, needs_runs
 
 
 def render() -> None:
@@ -28,7 +27,3 @@ def render() -> None:
                    "default (logprobs mode, prefix caching, async scheduling, dtypes) is a silent difference.")
     if len(table):
         st.dataframe(table, hide_index=True, key="config.table")
-
-
-if __name__ == "__main__":
-    render()

@@ -2,7 +2,7 @@
 kept per selection and refreshed incrementally (`load_histories(..., previous=)`).
 
 Every loader takes the tracking URI (a string) first so that Streamlit's caches key on it. Errors are
-`app.errors.DataError`s with the user's message; pages show them with `st.error`, never a traceback.
+`rldiag.app.errors.DataError`s with the user's message; pages show them with `st.error`, never a traceback.
 """
 
 from __future__ import annotations
@@ -17,17 +17,20 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.io
 import streamlit as st
-
-from app.configdiff import RunConfig, config_diff, load_configs
-from app.dashboard.grid_figure import grid_figure
-from app.divergence import Divergence, DivergenceConfig, detect_divergence
-from app.errors import DataError, StoreUnreachable
-from app.figures import ChartOptions, metric_figure
-from app.histories import Histories, load_histories
-from app.nan_events import load_alert_events
-from app.runs import find_runs
-from app.store import Store, open_store
-from collectors import keys
+from rldiag.app.analysis.config_diff import RunConfig, config_diff, load_configs
+from rldiag.app.analysis.divergence import (
+    Divergence,
+    DivergenceConfig,
+    detect_divergence,
+)
+from rldiag.app.analysis.nan_events import load_alert_events
+from rldiag.app.data.histories import Histories, load_histories
+from rldiag.app.data.runs import find_runs
+from rldiag.app.data.store import Store, open_store
+from rldiag.app.errors import DataError, StoreUnreachable
+from rldiag.app.plots.figures import ChartOptions, metric_figure
+from rldiag.app.plots.grid_figure import grid_figure
+from rldiag.collectors import keys
 
 RUNS_TTL_S = 5  # run list and status: short, so that a live run's status and new runs show up
 CONFIG_TTL_S = 30
@@ -69,7 +72,7 @@ def experiments(uri: str) -> tuple[list[str], str | None]:
 
 @st.cache_data(ttl=RUNS_TTL_S, max_entries=32, show_spinner=False)
 def runs(uri: str, experiment: str) -> pd.DataFrame:
-    """`app.runs.find_runs` of one experiment (NoRunsFound when it is empty)."""
+    """`rldiag.app.data.runs.find_runs` of one experiment (NoRunsFound when it is empty)."""
     return find_runs(get_store(uri), experiments=experiment)
 
 

@@ -1,16 +1,15 @@
 """NaN events: per picked run, the steps with non-finite gradients, the parameters and the samples and
-tokens the alerts name (`app.nan_events`); any run shows its steps, rldiag's alerts add the rest."""
+tokens the alerts name (`rldiag.app.analysis.nan_events`); any run shows its steps, rldiag's alerts add the rest."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
-
-from app.dashboard import data
-from app.dashboard.selection import Selection, current, escape_md, needs_runs
-from app.histories import nonfinite_table
-from app.nan_events import nan_events
-from collectors import keys
+from rldiag.app.analysis.nan_events import nan_events
+from rldiag.app.dashboard import data
+from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs
+from rldiag.app.data.histories import nonfinite_table
+from rldiag.collectors import keys
 
 GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.LOSS)
 
@@ -60,7 +59,3 @@ def render() -> None:
     if no_grad:
         st.caption("No gradient metric (grad/norm, grad/finite or an alias) in: "
                    + ", ".join(escape_md(sel.labels[r]) for r in no_grad))
-
-
-if __name__ == "__main__":
-    render()

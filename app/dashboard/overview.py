@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
-
-from app.dashboard import data
-from app.dashboard.selection import Selection, current, escape_md, needs_runs
-from app.runs import runs_with_metrics
+from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs
+from rldiag.app.data.runs import runs_with_metrics
 
 COLUMNS = {  # overview column -> header
     "name": "run", "status": "status", "last_step": "steps", "alerts": "alerts", "first_alert_step": "first alert step",
@@ -52,7 +50,3 @@ def render() -> None:
                    f"{escape_md(have)}.", icon=":material/help:")
     if sel.running:
         st.caption("A picked run is RUNNING: the Compare page refreshes while it runs.")
-
-
-if __name__ == "__main__":
-    render()

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 import streamlit as st
-
-from app.dashboard import RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI, data
-from app.errors import NoRunsFound
+from rldiag.app.dashboard import RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI, data
+from rldiag.app.errors import NoRunsFound
 
 ALL_RUNS = "(all runs)"
 MAX_DEFAULT_CANDIDATES = 9  # untagged runs: the newest ones, so that a first load stays quick
@@ -26,7 +25,7 @@ _STATE = "sidebar.selection"
 class Selection:
     uri: str
     experiment: str | None = None
-    runs: pd.DataFrame | None = None  # app.runs.find_runs of the experiment (every run, not only picked)
+    runs: pd.DataFrame | None = None  # rldiag.app.data.runs.find_runs of the experiment (every run, not only picked)
     reference_ids: tuple[str, ...] = ()
     candidate_ids: tuple[str, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)  # run id -> unique display name
@@ -119,8 +118,8 @@ def _pick_runs(uri: str, experiment: str, runs: pd.DataFrame, labels: dict[str, 
 def render_sidebar() -> Selection:
     """Draw the sidebar, store the `Selection` for the pages and return it. Raises DataError
     (StoreUnreachable and friends) for the entry script to show."""
-    from app.watch import safe_uri
-    from collectors.settings import default_tracking_uri
+    from rldiag.collectors.settings import default_tracking_uri
+    from rldiag.collectors.uri import redact_uri
 
     st.sidebar.title("rldiag")
     if "sidebar.uri" not in st.session_state:
@@ -130,7 +129,7 @@ def render_sidebar() -> Selection:
     sel = Selection(uri)
     st.session_state[_STATE] = sel
     data.get_store(uri)  # StoreUnreachable: the entry shows it
-    st.sidebar.caption(f"Store: `{safe_uri(uri)}`" if "`" not in uri else "Store: (see above)")
+    st.sidebar.caption(f"Store: `{redact_uri(uri)}`" if "`" not in uri else "Store: (see above)")
     experiment = _pick_experiment(uri)
     if experiment is None:
         return sel

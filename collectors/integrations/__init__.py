@@ -1,2 +1,2 @@
-"""Thin adapters over the framework-free core (`collectors.session`, `collectors.gradcheck`,
-`collectors.metrics`): each imports its framework lazily and names the pip extra when it is missing."""
+"""Thin adapters over the framework-free core (`rldiag.collectors.session`, `rldiag.collectors.gradcheck`,
+`rldiag.collectors.metrics`): each imports its framework lazily and names the pip extra when it is missing."""

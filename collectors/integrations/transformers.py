@@ -41,12 +41,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from collectors import distributed, keys
-from collectors.alerts import NonFiniteGradAlert
-from collectors.gradcheck import AccumulatedGradCheck, GradReport, LogitsProbe
-from collectors.import_utils import require
-from collectors.session import POLICIES, NonFiniteGradientError, RunSession
+from rldiag.collectors import distributed, keys
+from rldiag.collectors.alerts import NonFiniteGradAlert
+from rldiag.collectors.gradcheck import AccumulatedGradCheck, GradReport, LogitsProbe
+from rldiag.collectors.import_utils import require
+from rldiag.collectors.session import POLICIES, NonFiniteGradientError, RunSession
 
 require("transformers", "hf", purpose="rldiag's transformers/TRL callback")
 
@@ -273,8 +272,7 @@ class RldiagCallback(TrainerCallback):
             self._owns_session = True
             return
         from mlflow.entities import Param
-
-        from collectors.mlflow_store import flatten_params
+        from rldiag.collectors.mlflow_store import flatten_params
 
         items = [Param(k, v) for k, v in flatten_params({PARAM_PREFIX: params}).items()]
         try:

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from collectors.import_utils import require
+from rldiag.collectors.import_utils import require
 
 Tensor = torch.Tensor
 
 # Logprob at padding: not a value the engine can return (0.0 can: a token that alone survives top-p).
-# collectors.metrics replaces masked positions before any arithmetic, so it never becomes NaN there.
+# rldiag.collectors.metrics replaces masked positions before any arithmetic, so it never becomes NaN there.
 PAD_LOGPROB = float("-inf")
 # Weight-version index at padding and where vLLM reported no version.
 NO_VERSION = -1
@@ -111,11 +110,11 @@ def _sampled_logprobs(req_id: str, sample: Any) -> list[float]:
 def rollout_from_outputs(
     outputs: Sequence[Any], *, pad_token_id: int = 0, pad_logprob: float = PAD_LOGPROB
 ) -> RolloutBatch:
-    """Padded rollout tensors from finished `vllm.RequestOutput`s, ready for `collectors.metrics`.
+    """Padded rollout tensors from finished `vllm.RequestOutput`s, ready for `rldiag.collectors.metrics`.
 
     The engine logprobs are `lp_old` of the policy metrics and `lp_engine` of `logprob_mismatch`.
     Needs `SamplingParams(logprobs=0)` (or more). `pad_logprob` defaults to `-inf`: mask before any
-    arithmetic of your own (collectors.metrics does).
+    arithmetic of your own (rldiag.collectors.metrics does).
     """
     tokens, lps, prompts, req_idx, smp_idx, cached, spans, reasons = [], [], [], [], [], [], [], []
     for r, out in enumerate(outputs):

@@ -7,9 +7,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
-
-from collectors.mlflow_store import make_sender, open_run
-from collectors.writer import MetricWriter
+from rldiag.collectors.mlflow_store import make_sender, open_run
+from rldiag.collectors.writer import MetricWriter
 
 T0_MS = 1_700_000_000_000
 

@@ -8,8 +8,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from rldiag.collectors import (
+    AlertDispatcher,
+    JsonlSink,
+    LoggingSink,
+    NonFiniteGradAlert,
+    WebhookSink,
+)
 
-from collectors import AlertDispatcher, JsonlSink, LoggingSink, NonFiniteGradAlert, WebhookSink
 from tests.conftest import free_port
 
 NAN = float("nan")

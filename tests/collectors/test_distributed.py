@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,8 @@ NAN_STEP = 2
 def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
+    from rldiag.collectors import Monitor
 
-    from collectors import Monitor
     from tests.gloo_job import gloo_step
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"

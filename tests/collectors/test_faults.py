@@ -18,14 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow import MlflowClient
-
-from app.errors import ExperimentNotFound, NoRunsFound
-from app.histories import load_histories
-from app.runs import find_runs
-from collectors import Monitor
-from collectors.journal import journal_path
-from collectors.mlflow_store import MAX_PARAM_CHARS, make_sender, open_run
-from collectors.writer import MetricWriter
+from rldiag.app.data.histories import load_histories
+from rldiag.app.data.runs import find_runs
+from rldiag.app.errors import ExperimentNotFound, NoRunsFound
+from rldiag.collectors import Monitor
+from rldiag.collectors.journal import journal_path
+from rldiag.collectors.mlflow_store import MAX_PARAM_CHARS, make_sender, open_run
+from rldiag.collectors.writer import MetricWriter
 
 
 def _new_run(uri: str, name: str = "faults") -> str:
@@ -81,8 +80,8 @@ def test_oversize_params_unicode_and_html_names_are_kept_as_text(sqlite_uri, cap
 
 WRITER = textwrap.dedent("""
     import sys
-    from collectors.mlflow_store import make_sender, open_run
-    from collectors.writer import MetricWriter
+    from rldiag.collectors.mlflow_store import make_sender, open_run
+    from rldiag.collectors.writer import MetricWriter
     uri, name, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     _, run = open_run(uri, experiment="shared-file", run_name=name)
     w = MetricWriter(run.info.run_id, make_sender(uri), tracking_uri=uri, spill_dir=None)

@@ -10,12 +10,18 @@ import math
 import mlflow
 import pytest
 import torch
+from rldiag.collectors import (
+    GradReport,
+    LogitsProbe,
+    Monitor,
+    NonFiniteGradientError,
+    check_gradients,
+    keys,
+)
+from rldiag.collectors.gradcheck import NonFinitePosition
+from rldiag.collectors.metrics import policy_metrics
 from torch import nn
 from torch.testing import assert_close
-
-from collectors import GradReport, LogitsProbe, Monitor, NonFiniteGradientError, check_gradients, keys
-from collectors.gradcheck import NonFinitePosition
-from collectors.metrics import policy_metrics
 
 V, D = 11, 6  # vocabulary, hidden size of the tiny LM
 

@@ -8,10 +8,8 @@ import math
 
 import pytest
 import torch
-from torch.testing import assert_close
-
-from collectors import keys
-from collectors.metrics import (
+from rldiag.collectors import keys
+from rldiag.collectors.metrics import (
     clip_rate,
     entropy_from_logits,
     kl_new_old,
@@ -26,6 +24,7 @@ from collectors.metrics import (
     sequence_ratio,
     to_host,
 )
+from torch.testing import assert_close
 
 INF = float("inf")
 PAD = None  # marks a padding position in the tables below

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import collectors
+import rldiag.collectors
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,16 +38,16 @@ EXPECTED_ALL = [
 
 def test_all_is_pinned():
     # Adding or removing a public name is a deliberate change: update this list with it.
-    assert sorted(collectors.__all__) == EXPECTED_ALL
-    assert len(set(collectors.__all__)) == len(collectors.__all__)
+    assert sorted(rldiag.collectors.__all__) == EXPECTED_ALL
+    assert len(set(rldiag.collectors.__all__)) == len(rldiag.collectors.__all__)
 
 
 def test_every_public_name_loads_from_its_module():
-    for name in collectors.__all__:
-        assert getattr(collectors, name).__module__.startswith("collectors."), name
-    assert set(collectors.__all__) <= set(dir(collectors))
+    for name in rldiag.collectors.__all__:
+        assert getattr(rldiag.collectors, name).__module__.startswith("rldiag.collectors."), name
+    assert set(rldiag.collectors.__all__) <= set(dir(rldiag.collectors))
     with pytest.raises(AttributeError, match="no attribute 'Monitr'"):
-        collectors.Monitr  # noqa: B018 - a typo must fail as loudly as with eager imports
+        rldiag.collectors.Monitr  # noqa: B018 - a typo must fail as loudly as with eager imports
 
 
 def _loaded_after(statement: str) -> dict:
@@ -65,7 +64,21 @@ def _loaded_after(statement: str) -> dict:
 
 
 def test_import_collectors_loads_no_heavy_dependency():
-    # the read side (dashboard, watcher, reports) imports the keys: no torch for them
-    assert _loaded_after("import collectors, collectors.keys") == []
+    # `import rldiag` and the keys (what the read side needs of the collectors) load nothing heavy
+    assert _loaded_after("import rldiag, rldiag.collectors, rldiag.collectors.keys") == []
     # the training side: torch, the one heavy import the collectors are allowed; mlflow when a run opens
-    assert _loaded_after("from collectors import Monitor, policy_metrics, check_gradients") == ["torch"]
+    assert _loaded_after("from rldiag.collectors import Monitor, policy_metrics, check_gradients") == ["torch"]
+    assert _loaded_after("from rldiag import Monitor, policy_metrics") == ["torch"]
+
+
+def test_top_level_namespace_is_pinned():
+    import rldiag
+
+    assert sorted(rldiag.__all__) == ["Monitor", "NonFiniteGradientError", "RldiagCallback", "policy_metrics"]
+    assert rldiag.Monitor is rldiag.collectors.Monitor
+    assert rldiag.policy_metrics is rldiag.collectors.policy_metrics
+    from rldiag.collectors.integrations.transformers import RldiagCallback
+
+    assert rldiag.RldiagCallback is RldiagCallback
+    with pytest.raises(AttributeError, match="module 'rldiag' has no attribute 'Monitr'"):
+        rldiag.Monitr  # noqa: B018

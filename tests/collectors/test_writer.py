@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import math
 import signal
 import subprocess
@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-
-from collectors import keys
-from collectors.journal import journal_path, read_journal
-from collectors.mlflow_store import make_sender, open_run
-from collectors.writer import MetricWriter, clean_key
+from rldiag.collectors import keys
+from rldiag.collectors.journal import journal_path, read_journal
+from rldiag.collectors.mlflow_store import make_sender, open_run
+from rldiag.collectors.writer import MetricWriter, clean_key
 
 MAX_FLOAT = 1.7976931348623157e308
 
@@ -96,7 +95,7 @@ def test_unreachable_store_close_is_bounded_and_sync_replays(sqlite_uri, tmp_pat
     assert f"rldiag sync {path}" in caplog.text and "300 metric points" in caplog.text
     assert history(sqlite_uri, run_id, "m") == []
 
-    from app.cli import main
+    from rldiag.app.cli.main import main
 
     with path.open("a") as f:  # damage: a torn line, as from a process killed mid-write
         f.write('{"seq": 99, "m": [["m", 1.0, 17')
@@ -113,7 +112,7 @@ def test_restart_of_same_run_replays_journal_of_killed_process(sqlite_uri, tmp_p
     spill = tmp_path / "spill"
     child = textwrap.dedent(f"""
         import os, signal, time
-        from collectors.writer import MetricWriter
+        from rldiag.collectors.writer import MetricWriter
         def slow(run_id, metrics, tags):
             time.sleep(60)  # the store never answers before the kill
         w = MetricWriter({run_id!r}, slow, spill_dir={str(spill)!r})
@@ -151,8 +150,7 @@ def test_log_batch_body_is_what_mlflow_sends():
     from mlflow.entities import Metric, RunTag
     from mlflow.protos.service_pb2 import LogBatch
     from mlflow.utils.proto_json_utils import message_to_json
-
-    from collectors.mlflow_store import log_batch_json
+    from rldiag.collectors.mlflow_store import log_batch_json
 
     points = [("loss", 0.1, 1_700_000_000_123, 0), ("grad/norm", float("nan"), 1, 2**40),
               ("rldiag/inf/x", float("inf"), 2, 3), ("x", float("-inf"), 2, 3), ('k\\"é', -1e-300, 5, 7),

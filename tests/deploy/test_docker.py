@@ -94,9 +94,9 @@ def test_image_copies_only_repo_files_and_every_package():
     for src in sources:
         assert (REPO / src).exists(), f"COPY {src}: not in the repository"
         assert not ignored(src), f"COPY {src}: excluded by .dockerignore"
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    top = {p.split(".")[0].rstrip("*") for p in packages}
-    assert top <= {s.rstrip("/") for s in sources}, f"packages not copied into the image: {top}"
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    folders = set(package_dirs.values())  # rldiag/, collectors/, app/, experiments/
+    assert folders <= {s.rstrip("/") for s in sources}, f"package folders not copied into the image: {folders}"
     for must in (".git", ".venv", "mlruns.db", "mlruns", ".rldiag", ".env", "tests"):
         assert ignored(must), f".dockerignore does not exclude {must}"
 
@@ -117,8 +117,9 @@ def test_the_image_s_non_editable_install_carries_the_dashboard_s_static_files(t
                     "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300)
     [wheel] = (tmp_path / "dist").glob("rldiag-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    static = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "app/dashboard/static").iterdir())
-    assert "app/dashboard/static/plotly-basic.min.js" in static
+    # the wheel installs app/ as rldiag/app/
+    static = sorted("rldiag/" + p.relative_to(REPO).as_posix() for p in (REPO / "app/dashboard/static").iterdir())
+    assert "rldiag/app/dashboard/static/plotly-basic.min.js" in static
     assert set(static) <= names, f"not in the wheel: {set(static) - names}"
 
 
@@ -211,7 +212,10 @@ def test_no_secret_is_written_in_the_file(raw):
 
 def test_mlflow_server_command_is_valid_and_wired_to_postgres_and_the_artifact_volume(compose):
     from mlflow.cli import cli
-    from mlflow.server.security_utils import get_default_allowed_hosts, is_allowed_host_header
+    from mlflow.server.security_utils import (
+        get_default_allowed_hosts,
+        is_allowed_host_header,
+    )
     from sqlalchemy.engine import make_url
 
     s = compose["services"]["mlflow"]
@@ -240,7 +244,7 @@ def test_mlflow_server_command_is_valid_and_wired_to_postgres_and_the_artifact_v
 
 
 def test_dashboard_and_watcher_commands_parse_with_rldiag(compose):
-    from app.cli import build_parser
+    from rldiag.app.cli.main import build_parser
 
     dash = compose["services"]["dashboard"]["command"]
     image_cmd = next(a for i, a in instructions() if i == "CMD")

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
+from rldiag.app.data.histories import load_histories, nonfinite_table
+from rldiag.app.data.store import open_store
+from rldiag.collectors import keys
 
-from app.histories import load_histories, nonfinite_table
-from app.store import open_store
 from bench._server import MlflowServer
-from collectors import keys
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.postgres, pytest.mark.server]
@@ -40,8 +40,8 @@ EXPERIMENT = "team-postgres"
 def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
+    from rldiag.collectors import Monitor
 
-    from collectors import Monitor
     from tests.gloo_job import gloo_step
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"

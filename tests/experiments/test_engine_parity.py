@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("vllm")  # requires_vllm: skip only where vLLM is not installed
 
-from collectors import keys  # noqa: E402
-from experiments.engine_parity import (  # noqa: E402
+from rldiag.collectors import keys  # noqa: E402
+from rldiag.experiments.engine_parity import (  # noqa: E402
     GROUP,
     KEY_OUTSIDE_TOP_P,
     KEY_PREFIX_HIT,
@@ -203,14 +203,14 @@ def test_unknown_variant_is_one_line_and_starts_no_engine() -> None:
     assert "'v2-magic'" in line and "v0-parity, v1-defaults, raw-logprobs" in line and "bf16-fp32-lm-head" in line
 
     # the command line: one error line, exit status 2
-    cli = subprocess.run([sys.executable, "-m", "experiments.engine_parity", "--variants", "bogus"],
+    cli = subprocess.run([sys.executable, "-m", "rldiag.experiments.engine_parity", "--variants", "bogus"],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 2, cli
     (err,) = cli.stderr.strip().splitlines()
     assert "unknown variant 'bogus'; allowed: v0-parity, v1-defaults" in err
 
-    # through the rldiag entry point (app.cli prints a ValueError as one line, exit status 2)
-    cli = subprocess.run([sys.executable, "-m", "app.cli", "experiment", "engine-parity", "--variants", "bogus"],
+    # through the rldiag entry point (rldiag.app.cli.main prints a ValueError as one line, exit status 2)
+    cli = subprocess.run([sys.executable, "-m", "rldiag.app.cli.main", "experiment", "engine-parity", "--variants", "bogus"],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 2, cli
     (err,) = cli.stderr.strip().splitlines()

@@ -17,12 +17,21 @@ pytest.importorskip("transformers")
 import mlflow  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from rldiag.collectors import NonFiniteGradientError, keys  # noqa: E402
+from rldiag.collectors.integrations.transformers import (  # noqa: E402
+    LOGGED_LOSS,
+    RldiagCallback,
+    _skip_next_step,
+)
+from rldiag.collectors.session import RunSession  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-
-from collectors import NonFiniteGradientError, keys  # noqa: E402
-from collectors.integrations.transformers import LOGGED_LOSS, RldiagCallback, _skip_next_step  # noqa: E402
-from collectors.session import RunSession  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 V, T = 64, 12  # vocabulary, sequence length
 
@@ -72,7 +81,7 @@ def read_alerts(path: Path) -> list[dict]:
 
 # ---- the core helper the callback stands on --------------------------------------------------------
 def test_accumulated_check_judges_the_accumulated_gradient_before_clipping():
-    from collectors.gradcheck import AccumulatedGradCheck
+    from rldiag.collectors.gradcheck import AccumulatedGradCheck
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))

@@ -24,8 +24,8 @@ from torch.testing import assert_close
 
 pytest.importorskip("vllm")  # the requires_vllm condition: skip only when vLLM is not installed
 
-from collectors import keys  # noqa: E402
-from collectors.integrations.vllm import (  # noqa: E402
+from rldiag.collectors import keys  # noqa: E402
+from rldiag.collectors.integrations.vllm import (  # noqa: E402
     NO_VERSION,
     RolloutBatch,
     engine_fingerprint,
@@ -35,7 +35,7 @@ from collectors.integrations.vllm import (  # noqa: E402
     rollout_from_outputs,
     shutdown_engine,
 )
-from collectors.metrics import logprob_mismatch, policy_metrics  # noqa: E402
+from rldiag.collectors.metrics import logprob_mismatch, policy_metrics  # noqa: E402
 
 TEMPERATURE, TOP_P = 0.7, 0.9
 # Prompts of different lengths; the last is longer than two KV blocks (block_size=32) for the cache check.
@@ -304,5 +304,5 @@ def test_empty_outputs_give_empty_tensors() -> None:
 
 
 def test_importing_collectors_does_not_import_vllm() -> None:
-    code = "import sys, collectors, collectors.integrations.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
+    code = "import sys, collectors, rldiag.collectors.integrations.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

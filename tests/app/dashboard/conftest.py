@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import streamlit as st
+from rldiag.collectors import keys
 
-from collectors import keys
 from tests.app.conftest import write_run
 
 STEPS = 300

@@ -7,20 +7,25 @@ import json
 from pathlib import Path
 
 import numpy as np
+from rldiag.app.dashboard.chart_grid import COMPONENT
 from streamlit.testing.v1 import AppTest
 
-from app.dashboard.chart_grid import COMPONENT
 
-APP = Path(__file__).resolve().parents[3] / "app" / "dashboard" / "streamlit_app.py"
+
+def _dashboard(start: str | None) -> None:
+    from rldiag.app.dashboard.shell import main
+
+    main(start)
 
 
 def app(uri: str, monkeypatch, page: str | None = None) -> AppTest:
-    """The dashboard against `uri`, run once (and switched to `page`, e.g. "compare.py")."""
+    """The dashboard against `uri`, run once on `page` (its url path, e.g. "compare"; default: the first).
+
+    AppTest cannot switch to a callable page (`st.Page(render)`), so the page is opened as a URL
+    naming it would: as the page the app starts on."""
     monkeypatch.setenv("RLDIAG_TRACKING_URI", uri)
     monkeypatch.delenv("RLDIAG_EXPERIMENT", raising=False)
-    at = AppTest.from_file(str(APP), default_timeout=90).run()
-    if page:
-        at.switch_page(page).run()
+    at = AppTest.from_function(_dashboard, kwargs={"start": page}, default_timeout=90).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 
@@ -34,7 +39,7 @@ def array(v) -> np.ndarray:
 
 def chart_specs(at: AppTest) -> list[dict]:
     """The plotly figures the page sends the browser, in order: the chart grid component's
-    (app.dashboard.chart_grid) and any `st.plotly_chart`'s."""
+    (rldiag.app.dashboard.chart_grid) and any `st.plotly_chart`'s."""
     specs = [json.loads(json.loads(el.proto.json)["figure"]) for el in at.get("bidi_component")
              if el.proto.component_name == COMPONENT]
     return specs + [json.loads(el.proto.spec) for el in at.get("plotly_chart")]
@@ -42,7 +47,7 @@ def chart_specs(at: AppTest) -> list[dict]:
 
 def panels(spec: dict) -> dict[str, list[dict]]:
     """`{title: [trace dict, ...]}` of a figure's panels as a reader sees them: a panel is titled by an
-    annotation over its x axis ("x2 domain", app.dashboard.grid_figure), a one-panel figure by its
+    annotation over its x axis ("x2 domain", rldiag.app.plots.grid_figure), a one-panel figure by its
     title. x and y decoded."""
     titles = {a["xref"].split(" ")[0]: a["text"] for a in spec["layout"].get("annotations", ())
               if a.get("xref", "").endswith(" domain")}

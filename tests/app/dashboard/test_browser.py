@@ -35,8 +35,8 @@ WIDTHS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p 
 def serve(uri: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
     """`rldiag app` on a free port in its own process group; returns once /_stcore/health says ok."""
     port = free_port()
-    log = tmp_path / "app.log"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "app", "--tracking-uri", uri, "--port", str(port),
+    log = tmp_path / "rldiag.app.log"
+    proc = subprocess.Popen([sys.executable, "-m", "rldiag.app.cli.main", "app", "--tracking-uri", uri, "--port", str(port),
                              "--no-browser"], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
     url = f"http://127.0.0.1:{port}/"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from app.dashboard import chart_grid
+from rldiag.app.dashboard import chart_grid
 
 
 def test_the_component_carries_the_basic_plotly_bundle_and_the_grid_code():

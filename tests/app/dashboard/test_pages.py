@@ -6,11 +6,10 @@ from __future__ import annotations
 import html
 
 import numpy as np
-import pytest
+from rldiag.app.dashboard import chart_grid, data
+from rldiag.app.dashboard.selection import ALL_RUNS
+from rldiag.collectors import keys
 
-from app.dashboard import chart_grid, data
-from app.dashboard.selection import ALL_RUNS
-from collectors import keys
 from tests.app.conftest import write_run
 from tests.app.dashboard.conftest import EVIL, INF_STEP, NAN_STEPS, SHIFT_AT
 from tests.app.dashboard.helpers import app, by_name, chart_specs, figures, unescape_md
@@ -43,7 +42,7 @@ def divergence_lines(at) -> dict[str, str]:
 
 
 def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(dash_store, monkeypatch):
-    at = app(dash_store.uri, monkeypatch, "compare.py")
+    at = app(dash_store.uri, monkeypatch, "compare")
     figs = figures(at)
     assert list(figs) == [keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN,
                           keys.GRAD_NORM, keys.LOSS]  # the default metrics these runs logged, in order
@@ -79,10 +78,10 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
 
 def test_compare_without_the_chart_component_sends_the_same_figure_through_plotly_chart(dash_store, monkeypatch):
     """Streamlit without `st.components.v2` (or a missing plotly.js bundle): the grid is an st.plotly_chart."""
-    grid = app(dash_store.uri, monkeypatch, "compare.py")
+    grid = app(dash_store.uri, monkeypatch, "compare")
     assert len(grid.get("bidi_component")) == 1 and not grid.get("plotly_chart")
     monkeypatch.setattr(chart_grid, "_MOUNT", None)
-    native = app(dash_store.uri, monkeypatch, "compare.py")
+    native = app(dash_store.uri, monkeypatch, "compare")
     assert not native.get("bidi_component") and len(native.get("plotly_chart")) == 1
     assert list(figures(native)) == list(figures(grid)) and len(figures(grid)) == 7
     for traces, native_traces in zip(figures(grid).values(), figures(native).values()):
@@ -93,7 +92,7 @@ def test_compare_without_the_chart_component_sends_the_same_figure_through_plotl
 
 
 def test_compare_band_of_seeds_trl_aliases_and_a_run_without_canonical_metrics(dash_store, monkeypatch):
-    at = app(dash_store.uri, monkeypatch, "compare.py")
+    at = app(dash_store.uri, monkeypatch, "compare")
     at.sidebar.selectbox(key="sidebar.group").set_value(ALL_RUNS).run()
     ids = dash_store.ids
     at.sidebar.multiselect(key="sidebar.reference").set_value([ids["v0 ref"], ids["v0 seed1"], ids["v0 seed2"]])
@@ -115,7 +114,7 @@ def test_compare_band_of_seeds_trl_aliases_and_a_run_without_canonical_metrics(d
 
 
 def test_compare_controls_delta_step_range_and_metric_choice(dash_store, monkeypatch):
-    at = app(dash_store.uri, monkeypatch, "compare.py")
+    at = app(dash_store.uri, monkeypatch, "compare")
     at.multiselect(key="compare.metrics").set_value([keys.RATIO_MEAN, keys.GRAD_NORM])
     at.toggle(key="compare.delta").set_value(True)
     at.slider(key="compare.steps").set_value((100, 220)).run()
@@ -129,7 +128,7 @@ def test_compare_controls_delta_step_range_and_metric_choice(dash_store, monkeyp
 
 
 def test_nan_events_lists_steps_parameters_and_tokens(dash_store, monkeypatch):
-    at = app(dash_store.uri, monkeypatch, "nan_events.py")
+    at = app(dash_store.uri, monkeypatch, "nan-events")
     summary, events = at.dataframe[0].value, at.dataframe[1].value
     assert summary.set_index("run").loc["unmasked", "non-finite steps"] == 4
     assert summary.set_index("run")["non-finite steps"].drop("unmasked").eq(0).all()
@@ -142,7 +141,7 @@ def test_nan_events_lists_steps_parameters_and_tokens(dash_store, monkeypatch):
 
 
 def test_config_diff_puts_engine_parity_knobs_first(dash_store, monkeypatch):
-    at = app(dash_store.uri, monkeypatch, "config_diff.py")
+    at = app(dash_store.uri, monkeypatch, "config-diff")
     table = at.dataframe[0].value
     assert table["differs"].all()
     assert table["name"].tolist()[:2] == ["engine.logprobs_mode", "engine.enable_prefix_caching"]
@@ -168,20 +167,21 @@ def test_unreachable_store_is_an_error_message_not_a_traceback(tmp_path, monkeyp
 
 
 def test_empty_experiment_and_no_runs_picked_say_so(dash_store, monkeypatch):
-    at = app(dash_store.uri, monkeypatch, "compare.py")
+    at = app(dash_store.uri, monkeypatch, "compare")
     at.sidebar.multiselect(key="sidebar.reference").set_value([])
     at.sidebar.multiselect(key="sidebar.candidates").set_value([]).run()
     assert "No runs picked" in at.info[0].value and not chart_specs(at)
     at.sidebar.selectbox(key="sidebar.experiment").set_value("empty").run()
     assert not at.exception and "has no runs yet" in at.info[0].value
-    at.switch_page("overview.py").run()
+    at = app(dash_store.uri, monkeypatch, "runs")
+    at.sidebar.selectbox(key="sidebar.experiment").set_value("empty").run()
     assert "has no runs yet" in at.info[0].value and not at.dataframe
 
 
 def test_live_run_is_reloaded_incrementally(store_uri, monkeypatch):
     rid = write_run(store_uri, experiment="live", name="live", finish=False,
                     tags={keys.TAG_ROLE: "reference"}, steps=[(s, {keys.RATIO_MEAN: 1.0}) for s in range(50)])
-    at = app(store_uri, monkeypatch, "compare.py")
+    at = app(store_uri, monkeypatch, "compare")
     assert at.toggle(key="compare.live").value  # a RUNNING run: live refresh is on by default
     [line] = figures(at)[keys.RATIO_MEAN]
     assert line["x"].max() == 49
@@ -194,7 +194,7 @@ def test_live_run_is_reloaded_incrementally(store_uri, monkeypatch):
 
 
 def test_report_downloads_are_built_on_request(dash_store, monkeypatch):
-    at = app(dash_store.uri, monkeypatch, "compare.py")
+    at = app(dash_store.uri, monkeypatch, "compare")
     assert not at.get("download_button")  # nothing rendered until asked
     at.multiselect(key="compare.metrics").set_value([keys.RATIO_MEAN]).run()  # a small report: a quick test
     at.button(key="compare.report.build").click().run()

@@ -1,0 +1,274 @@
+"""Where a candidate run leaves its reference: per metric, the first step from which it stays outside
+the reference's noise band, and by how much.
+
+The band, at each step (on the steps the candidate logged):
+- centre: the median across reference seeds of each seed's centred rolling median (`window` steps);
+  a centred median shifts exactly at a step change, so the onset is not smeared forward;
+- half-width: `k` x the combined noise of the comparison, that is the point noise of the reference
+  (a robust, local MAD of its residuals around its rolling median) shrunk to the noise of a rolling
+  median, plus the spread between the seeds' smoothed curves (robust MAD across seeds): seeds of
+  one configuration wander apart; a band of several seeds knows by how much, a single reference run
+  cannot, so pass several seeds where you have them;
+- floors `min_delta` (absolute) and `rel_delta` (fraction of the centre) keep a flat reference (a
+  clip rate of exactly 0) from calling every rounding difference a departure.
+
+A departure is `persist` consecutive compared steps on one side outside the band (one spike does
+not make one); its onset is then placed by the best two-piece fit of the raw deviation within a
+window of the first outside step (a centred median can cross up to half a window early). Also: the candidate non-finite for `persist` steps where the reference is finite
+(`kind="nonfinite"`), and its residual noise `var_ratio` times the reference's (`kind="variance"`).
+The earliest of the three is reported. Considered: `ruptures` (offline change-point segmentation);
+it finds where one series changes, not where one leaves another's band, and needs a penalty per
+metric scale; this band test is a few vectorised rolling medians.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+from rldiag.app.data.align import align_by_step
+from rldiag.app.data.trace import Trace
+
+if TYPE_CHECKING:
+    from rldiag.app.data.histories import Histories
+
+_MAD = 1.4826  # MAD -> standard deviation for normal noise
+_MEDIAN_SE = 1.2533  # standard error of a median / of a mean (sqrt(pi/2)), large samples
+
+
+@dataclass(frozen=True)
+class DivergenceConfig:
+    window: int = 9  # rolling-median window, in compared steps (odd)
+    k: float = 3.5  # band half-width, in noise units of the comparison
+    persist: int = 15  # consecutive outside steps (one side) that make a departure
+    scale_window: int = 101  # steps over which the noise scales are estimated (robust, local)
+    var_ratio: float = 3.0  # candidate residual noise / reference noise that makes a variance departure
+    min_delta: float = 0.0  # absolute floor on the half-width, in metric units
+    rel_delta: float = 0.0  # floor on the half-width, as a fraction of |centre|
+
+    def __post_init__(self):
+        if self.window < 1 or self.window % 2 == 0:
+            raise ValueError(f"window={self.window}: use an odd number of steps >= 1, e.g. 9")
+        if self.persist < 1 or self.k <= 0 or self.scale_window < 3 or self.var_ratio <= 1:
+            raise ValueError(f"invalid {self}: need persist >= 1, k > 0, scale_window >= 3, var_ratio > 1")
+
+
+@dataclass(frozen=True)
+class Band:
+    """The reference band on the compared steps (for a chart to shade) and the candidate smoothed."""
+
+    steps: np.ndarray
+    center: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    noise: np.ndarray  # the reference's point noise (one standard deviation), per step
+    candidate: np.ndarray  # the candidate's rolling median on the same steps
+
+
+@dataclass(frozen=True)
+class Divergence:
+    key: str
+    onset_step: int | None  # first step of the departure; None: the candidate stays in the band
+    kind: str | None  # "level", "variance" or "nonfinite"
+    end_step: int | None  # last step of the departure; None while it lasts to the candidate's end
+    delta: float  # median of (candidate - centre) over the departure, metric units (NaN if none)
+    delta_sigma: float  # the same in units of the reference's point noise
+    first_nonfinite_step: int | None  # the candidate's first NaN/inf where the reference is finite
+    steps_compared: int
+
+    @property
+    def diverged(self) -> bool:
+        return self.onset_step is not None
+
+
+def _first_run(mask: np.ndarray, n: int) -> int | None:
+    """Index of the first run of at least `n` consecutive True values."""
+    if n <= 1:
+        hits = np.flatnonzero(mask)
+        return int(hits[0]) if len(hits) else None
+    c = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    full = (c[n:] - c[:-n]) == n  # full[i]: mask[i:i+n] all True
+    hits = np.flatnonzero(full)
+    return int(hits[0]) if len(hits) else None
+
+
+def _rolling(a: np.ndarray | pd.DataFrame, w: int, how: str, min_periods: int = 1):
+    frame = a if isinstance(a, pd.DataFrame) else pd.DataFrame(a)
+    r = frame.rolling(w, center=True, min_periods=min_periods)
+    return getattr(r, how)().to_numpy()
+
+
+def compute_band(references: Sequence[Trace], candidate: Trace,
+                 config: DivergenceConfig = DivergenceConfig()) -> tuple[Band, np.ndarray, np.ndarray]:
+    """The band on the candidate's steps; also the candidate's raw values and the reference-present mask."""
+    labels = {f"ref{i}": t for i, t in enumerate(references)}
+    al = align_by_step({**labels, "cand": candidate})
+    rows = al.present[:, -1]
+    steps, cand = al.steps[rows], al.values[rows][:, -1]
+    ref_part = _reference_part(tuple(references), steps.tobytes(), config)
+    return _band(ref_part, steps, cand, config), cand, ref_part.ok
+
+
+@dataclass(frozen=True, eq=False)
+class _RefPart:
+    """What the band needs from the references alone, on a given set of steps."""
+
+    ref: np.ndarray  # the references' values on the steps (NaN where a seed has none or is non-finite)
+    ok: np.ndarray  # any reference finite at the step
+    smooth: np.ndarray
+    center: np.ndarray
+    noise: np.ndarray
+    spread: np.ndarray  # robust spread of the seeds' smoothed curves (0 for one seed)
+    n_seeds: np.ndarray
+    n_ref: np.ndarray
+
+
+@functools.lru_cache(maxsize=16)  # ~10 MB an entry at 100k steps x 3 seeds
+def _reference_part(references: tuple[Trace, ...], steps_bytes: bytes, config: DivergenceConfig) -> _RefPart:
+    """Cached per (references, steps): comparing many candidates that share their steps with one
+    reference band (a report, the dashboard's grid) smooths the references once, not per candidate."""
+    steps = np.frombuffer(steps_bytes, np.int64)
+    ref = np.full((len(steps), len(references)), np.nan)
+    for j, t in enumerate(references):
+        pos = np.searchsorted(t.steps, steps)
+        hit = pos < len(t.steps)
+        hit[hit] = t.steps[pos[hit]] == steps[hit]
+        ref[hit, j] = t.values[pos[hit]]
+    ref[~np.isfinite(ref)] = np.nan  # a seed's NaN/inf leaves the band at that step
+    ok = np.isfinite(ref).any(axis=1)
+    w, half = config.window, config.window // 2 + 1
+    smooth = _rolling(ref, w, "median", half)
+    with _quiet():
+        center = np.nanmedian(smooth, axis=1)
+        resid = np.abs(ref - smooth)
+        pooled = np.nanmedian(resid, axis=1)
+        pooled_mean = np.nanmean(resid, axis=1)
+        noise = _MAD * _rolling(pooled, config.scale_window, "median")[:, 0]
+        fallback = _MEDIAN_SE * _rolling(pooled_mean, config.scale_window, "mean")[:, 0]
+        noise = np.where(noise > 0, noise, fallback)  # quantised metrics: MAD 0, mean abs deviation not
+        n_seeds = np.isfinite(smooth).sum(axis=1)
+        spread = _MAD * np.nanmedian(np.abs(smooth - center[:, None]), axis=1)
+        spread = np.where(n_seeds >= 2, spread, 0.0)
+        spread = _rolling(spread, config.scale_window, "median")[:, 0]
+        n_ref = _rolling(np.isfinite(ref).astype(float), w, "sum").mean(axis=1) if ref.shape[1] else None
+    return _RefPart(ref, ok, smooth, center, noise, spread, n_seeds, n_ref)
+
+
+def _band(rp: _RefPart, steps: np.ndarray, cand: np.ndarray, config: DivergenceConfig) -> Band:
+    w, half = config.window, config.window // 2 + 1
+    center, noise, n_seeds = rp.center, rp.noise, rp.n_seeds
+    with _quiet():
+        cand_f = np.where(np.isfinite(cand), cand, np.nan)
+        cand_smooth = _rolling(cand_f, w, "median", half)[:, 0]
+        n_cand = _rolling(np.isfinite(cand_f).astype(float), w, "sum")[:, 0]
+        n_ref = rp.n_ref if rp.n_ref is not None else n_cand
+        se = _MEDIAN_SE * noise * np.sqrt(1 / np.maximum(n_cand, 1) + 1 / np.maximum(n_ref * n_seeds, 1))
+        # The seeds' smoothed curves differ by their smoothing noise (already in `se`) and by how
+        # seeds wander; keep only the latter, for a new seed and for the centre's own error.
+        wander2 = np.maximum(rp.spread**2 - (_MEDIAN_SE * noise) ** 2 / np.maximum(n_ref, 1), 0.0)
+        spread = np.sqrt(wander2 * (1 + 1.0 / np.maximum(n_seeds, 1)))
+        half_width = config.k * np.sqrt(se**2 + spread**2)
+        half_width = np.maximum(half_width, np.maximum(config.min_delta, config.rel_delta * np.abs(center)))
+        half_width = np.maximum(half_width, 1e-12 * np.maximum(1.0, np.abs(center)))
+        # Never narrower than the seeds themselves: a candidate as far out as the farthest seed, plus
+        # the noise of comparing two rolling medians, is still a seed (few seeds underestimate spread).
+        se_one = _MEDIAN_SE * noise * np.sqrt(1 / np.maximum(n_cand, 1) + 1 / np.maximum(n_ref, 1))
+        upper = np.fmax(center + half_width, np.nanmax(rp.smooth, axis=1) + config.k * se_one)
+        lower = np.fmin(center - half_width, np.nanmin(rp.smooth, axis=1) - config.k * se_one)
+    return Band(steps, center, lower, upper, noise, cand_smooth)
+
+
+@contextmanager
+def _quiet():
+    """numpy warns on all-NaN slices (steps no reference logged); those steps are simply not compared."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
+                      config: DivergenceConfig = DivergenceConfig()) -> Divergence:
+    """Compare `candidate` with the reference run (or seeds) for one metric; see the module docstring."""
+    refs = [references] if isinstance(references, Trace) else list(references)
+    if not refs:
+        raise ValueError("detect_divergence needs at least one reference trace")
+    band, cand, ref_ok = compute_band(refs, candidate, config)
+    n = len(band.steps)
+    cand_bad = ~np.isfinite(cand) & ref_ok
+    first_bad = int(band.steps[np.flatnonzero(cand_bad)[0]]) if cand_bad.any() else None
+    compared = ref_ok & np.isfinite(band.candidate) & np.isfinite(band.center)
+    above = compared & (band.candidate > band.upper)
+    below = compared & (band.candidate < band.lower)
+
+    with _quiet():
+        resid = np.abs(np.where(np.isfinite(cand), cand, np.nan) - band.candidate)
+        cand_noise = _MAD * _rolling(resid, 2 * config.window + 1, "median", config.window)[:, 0]
+        noisy = compared & (cand_noise > config.var_ratio * band.noise) & (band.noise > 0)
+
+    found = []
+    for kind, mask in (("level", above), ("level", below), ("variance", noisy), ("nonfinite", cand_bad)):
+        i = _first_run(mask, min(config.persist, n))
+        if i is not None:
+            found.append((i, kind, mask))
+    if not found:
+        return Divergence(candidate.key, None, None, None, float("nan"), float("nan"), first_bad, int(compared.sum()))
+    i0, kind, mask = min(found, key=lambda f: f[0])
+    if kind == "level" and i0 > 0:
+        i = _refine_onset(cand - band.center, i0, config.window)
+    elif kind == "level":
+        # Out from the first compared step: there is no "before" to fit a split to (a fit would move the
+        # onset to wherever the gap grows most), and the centred median already sees later steps. The
+        # onset is the first raw point outside the band on the departure's side.
+        side = cand > band.upper if mask is above else cand < band.lower
+        hits = np.flatnonzero(side[: config.window + 1])
+        i = int(hits[0]) if len(hits) else i0
+    else:
+        i = i0
+    back = _first_run(~mask[i0:], config.persist)  # back inside for `persist` steps: the departure ended
+    j = n if back is None else i0 + back
+    end_step = None if back is None else int(band.steps[j - 1])
+    seg = slice(i, j)
+    with _quiet():
+        delta = float(np.nanmedian((band.candidate - band.center)[seg])) if kind != "nonfinite" else float("nan")
+        noise = float(np.nanmedian(band.noise[seg]))
+    delta_sigma = delta / noise if noise > 0 and np.isfinite(delta) else float("nan")
+    return Divergence(candidate.key, int(band.steps[i]), kind, end_step, delta, delta_sigma, first_bad,
+                      int(compared.sum()))
+
+
+def _refine_onset(dev: np.ndarray, i: int, window: int) -> int:
+    """The split of the raw deviation near `i` that best separates before from after (a CUSUM step
+    fit over +-`window` steps): a centred median can cross the band up to half a window early or late."""
+    lo, hi = max(0, i - window), min(len(dev), i + window + 1)
+    seg = dev[lo:hi]
+    ok = np.isfinite(seg)
+    if ok.sum() < 4:
+        return i
+    idx, x = np.flatnonzero(ok), seg[ok]
+    n = len(x)
+    csum = np.cumsum(x)
+    k = np.arange(1, n)  # split before element k
+    left, right = csum[:-1] / k, (csum[-1] - csum[:-1]) / (n - k)
+    score = np.abs(right - left) * np.sqrt(k * (n - k) / n)
+    return lo + int(idx[1:][np.argmax(score)])
+
+
+def divergence_table(histories: Histories, reference_ids: Sequence[str], candidate_id: str,
+                     keys: Sequence[str] | None = None, config: DivergenceConfig = DivergenceConfig()) -> pd.DataFrame:
+    """One row per metric that both sides logged: `detect_divergence` of the candidate vs the references."""
+    keys = keys if keys is not None else histories.keys
+    rows = []
+    for key in keys:
+        refs = [t for r, t in histories.for_key(key, reference_ids).items()]
+        cand = histories.get(candidate_id, key)
+        if refs and cand is not None and len(cand):
+            d = detect_divergence(refs, cand, config)
+            rows.append({"key": key, **{f: getattr(d, f) for f in d.__dataclass_fields__ if f != "key"}})
+    cols = ["key", "onset_step", "kind", "end_step", "delta", "delta_sigma", "first_nonfinite_step", "steps_compared"]
+    return pd.DataFrame(rows, columns=cols)

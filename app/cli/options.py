@@ -1,0 +1,42 @@
+"""What every `rldiag` command shares: the one-line error type and the tracking-store options."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from rldiag.app.data.store import BACKEND_ENV
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def add_tracking_option(p: argparse.ArgumentParser, *, read: bool = False) -> None:
+    """`--tracking-uri`, as every command spells it (None: $MLFLOW_TRACKING_URI, else the embedded default);
+    with `read`, also `--backend-store-uri` (a server's SQLite file to read histories from)."""
+    p.add_argument("--tracking-uri", default=None, metavar="URI",
+                   help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db here)")
+    if read:
+        p.add_argument("--backend-store-uri", default=None, metavar="URI", action=_SetEnv, env=BACKEND_ENV,
+                       help="with a tracking server: its own SQLite backend (what `mlflow server "
+                            "--backend-store-uri` was given), when this machine can read that file; metric "
+                            f"histories are then read from it directly, read-only (default: ${BACKEND_ENV})")
+
+
+class _SetEnv(argparse.Action):
+    """Store the value and export it, so that the dashboard's server process and every loader see it."""
+
+    def __init__(self, *args, env: str, **kwargs):
+        self.env = env
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        os.environ[self.env] = values
+
+
+def first_line(e: BaseException) -> str:
+    """`Type: first line of the message`, what a one-line error shows of an exception from a library."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

@@ -1,0 +1,101 @@
+"""`rldiag watch`: the command line of `rldiag.app.watch` (a library usable without argparse)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import threading
+
+from rldiag.app.cli.options import CliError, add_tracking_option, first_line
+from rldiag.app.data.store import open_store, store_errors
+from rldiag.app.errors import DataError
+from rldiag.app.watch.loop import DEFAULT_INTERVAL, EXAMPLES, Watcher, log, loop
+from rldiag.app.watch.state import DEFAULT_STATE, StateError, StateLock, WatchState
+from rldiag.collectors.alerts import JsonlSink, LoggingSink, WebhookSink
+from rldiag.collectors.settings import RLDIAG_ALERTS_JSONL, RLDIAG_WEBHOOK_URL
+from rldiag.collectors.uri import redact_uri
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = EXAMPLES
+    p.add_argument("--experiment", action="append", default=None, metavar="NAME",
+                   help="experiment to watch (repeatable; default: every experiment)")
+    p.add_argument("--interval", default=str(DEFAULT_INTERVAL), metavar="SECONDS",
+                   help=f"seconds between the starts of two poll cycles (default: {DEFAULT_INTERVAL:g})")
+    p.add_argument("--once", action="store_true", help="one poll cycle, then exit: 0 nothing new, 1 alerts sent")
+    p.add_argument("--state", default=DEFAULT_STATE, metavar="FILE",
+                   help=f"what was already alerted, so restarts neither repeat nor miss (default: {DEFAULT_STATE})")
+    p.add_argument("--jsonl", default=RLDIAG_ALERTS_JSONL.get(), metavar="FILE",
+                   help="append every event to this JSONL file (default: $RLDIAG_ALERTS_JSONL)")
+    p.add_argument("--webhook", default=None, metavar="URL",
+                   help="POST events (Slack-compatible JSON) here (default: $RLDIAG_WEBHOOK_URL; never printed)")
+    p.add_argument("--tag-runs", action="store_true",
+                   help="also write rldiag.alert.* tags on runs that rldiag's collectors do not watch "
+                        "(the watcher's only write to the store; off by default)")
+    p.add_argument("--divergence", action="store_true",
+                   help="also alert when a candidate run (tag rldiag.role=candidate) leaves the band of the "
+                        "reference runs of its rldiag.group")
+    add_tracking_option(p, read=True)
+
+
+def _interval(raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise CliError(f"--interval {raw!r} is not a positive number of seconds; use e.g. --interval 30")
+    return v
+
+
+def run(args: argparse.Namespace) -> int:
+    """`rldiag watch`: see the module docstring and `rldiag watch --help`."""
+    interval = _interval(args.interval)
+    log.setLevel(logging.INFO)
+    # MLflow's client retries a dead server for minutes; the watcher polls again anyway.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    try:
+        store = open_store(args.tracking_uri)
+    except DataError as e:
+        raise CliError(str(e)) from None
+    sinks: list = [LoggingSink()]
+    try:
+        webhook = args.webhook or RLDIAG_WEBHOOK_URL.get()
+        if webhook:
+            sinks.append(WebhookSink(webhook))
+        if args.jsonl:
+            sinks.append(JsonlSink(args.jsonl))
+        lock = StateLock(args.state).acquire()
+        state = WatchState.load(args.state)
+    except (StateError, ValueError, OSError) as e:
+        raise CliError(str(e)) from None
+    try:
+        try:
+            watcher = Watcher(store, state, sinks, experiments=args.experiment, tag_runs=args.tag_runs,
+                              divergence=args.divergence)
+        except DataError as e:
+            raise CliError(str(e)) from None
+        except store_errors() as e:
+            raise CliError(f"the tracking store at {redact_uri(store.uri)!r} did not answer: {first_line(e)}. "
+                           "Check --tracking-uri.") from None
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        what = ", ".join(args.experiment) if args.experiment else "all experiments"
+        if not args.once:
+            extra = [f"JSONL {args.jsonl}"] * bool(args.jsonl) + [repr(s) for s in sinks if isinstance(s, WebhookSink)]
+            log.info("rldiag watch: polling %s every %g s (%s); state %s%s", redact_uri(store.uri), interval, what,
+                     args.state, "; also to " + ", ".join(extra) if extra else "")
+        try:
+            return loop(watcher, interval, stop, once=args.once)
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            watcher.close()
+            state.save()
+    finally:
+        lock.release()

@@ -1,0 +1,185 @@
+"""Find runs by experiment, rldiag tags and ids: one row per run, the columns a runs overview shows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import pandas as pd
+from rldiag.app.data.store import Store, open_store
+from rldiag.app.errors import (
+    DataError,
+    ExperimentNotFound,
+    NoRunsFound,
+    RunNotFound,
+    StoreUnreachable,
+)
+from rldiag.collectors import keys
+
+RUN_COLUMNS: tuple[str, ...] = (
+    "run_id", "name", "experiment", "experiment_id", "status", "start_time", "end_time",
+    "group", "variant", "role", "seed", "last_step", "metrics", "alerts", "first_alert_step",
+)
+_TAG_COLUMNS = {"group": keys.TAG_GROUP, "variant": keys.TAG_VARIANT, "role": keys.TAG_ROLE, "seed": keys.TAG_SEED}
+TagFilter = str | Sequence[str] | None
+
+
+def _as_list(v: TagFilter) -> list[str] | None:
+    if v is None:
+        return None
+    return [v] if isinstance(v, str) else list(v)
+
+
+def _quote(value: str) -> str | None:
+    """`value` as a search-filter literal, or None when it holds both quote characters."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    return None
+
+
+def _filter_string(tag_filters: dict[str, list[str] | None]) -> str:
+    """Equality on single-valued tag filters, done by the store (the rest is filtered here)."""
+    parts = []
+    for tag, values in tag_filters.items():
+        if values is not None and len(values) == 1 and (lit := _quote(values[0])) is not None:
+            parts.append(f"tags.`{tag}` = {lit}")
+    return " AND ".join(parts)
+
+
+def find_runs(
+    store: Store | str | None = None,
+    *,
+    experiments: str | Sequence[str] | None = None,
+    group: TagFilter = None,
+    variant: TagFilter = None,
+    role: TagFilter = None,
+    run_ids: Sequence[str] | None = None,
+    max_runs: int = 5000,
+) -> pd.DataFrame:
+    """Active runs matching every given filter (a list means any of its values), newest first.
+
+    Columns: RUN_COLUMNS. `experiments` are names (None: every experiment, or those of `run_ids`);
+    `metrics` is the sorted tuple of canonical keys the run logged (aliases mapped); `last_step` the
+    highest step of any metric. Raises ExperimentNotFound, RunNotFound, NoRunsFound (messages name
+    the value and what is there instead) and StoreUnreachable.
+    """
+    store = store if isinstance(store, Store) else open_store(store)
+    client = store.client
+    tag_filters = {keys.TAG_GROUP: _as_list(group), keys.TAG_VARIANT: _as_list(variant), keys.TAG_ROLE: _as_list(role)}
+    try:
+        exp_names = {e.experiment_id: e.name for e in _pages(client.search_experiments, 100_000)}
+        wanted_exps = _as_list(experiments)
+        if wanted_exps is not None:
+            missing = [n for n in wanted_exps if n not in exp_names.values()]
+            if missing:
+                have = sorted(exp_names.values())
+                raise ExperimentNotFound(
+                    f"experiment(s) {missing} not found in the store at {store.uri!r}; it has: "
+                    f"{have[:20]}{' ...' if len(have) > 20 else ''}. Check the name or MLFLOW_TRACKING_URI."
+                )
+        if run_ids:
+            runs = [r for r in get_runs(store, run_ids) if r.info.lifecycle_stage == "active"]
+            if wanted_exps is not None:
+                runs = [r for r in runs if exp_names.get(r.info.experiment_id) in wanted_exps]
+        else:
+            exp_ids = [i for i, n in exp_names.items() if wanted_exps is None or n in wanted_exps]
+            search = partial(client.search_runs, exp_ids, filter_string=_filter_string(tag_filters),
+                             order_by=["attributes.start_time DESC"])
+            runs = _pages(search, max_runs) if exp_ids else []
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - MLflow and connection errors come in many types
+        raise StoreUnreachable(f"searching runs in {store.uri!r} failed: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}. Check MLFLOW_TRACKING_URI.") from None
+
+    df = pd.DataFrame([_row(r, exp_names) for r in runs], columns=list(RUN_COLUMNS))
+    for col, tag in (("group", keys.TAG_GROUP), ("variant", keys.TAG_VARIANT), ("role", keys.TAG_ROLE)):
+        values = tag_filters[tag]
+        if values is not None:
+            df = df[df[col].isin(values)]
+    if df.empty:
+        raise NoRunsFound(_no_runs_message(store.uri, experiments, group, variant, role, run_ids))
+    df = df.sort_values("start_time", ascending=False, kind="stable").reset_index(drop=True)
+    for col in ("start_time", "end_time"):
+        df[col] = pd.to_datetime(df[col], unit="ms", utc=True)
+    return df
+
+
+def _pages(call, limit: int) -> list:
+    """Every item of a paged MLflow search, up to `limit`."""
+    out: list = []
+    token = None
+    while len(out) < limit:
+        page = call(max_results=min(1000, limit - len(out)), page_token=token)
+        out.extend(page)
+        token = page.token
+        if not token:
+            break
+    return out
+
+
+def get_runs(store: Store, run_ids: Sequence[str]) -> list:
+    """MLflow `Run` objects for `run_ids` (fetched in parallel), in that order; RunNotFound names the
+    ids the store does not hold."""
+    from mlflow.exceptions import MlflowException
+
+    run_ids = list(dict.fromkeys(run_ids))
+    if not run_ids:
+        return []
+
+    def one(run_id: str):
+        try:
+            return store.client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+
+    with ThreadPoolExecutor(max_workers=min(8, len(run_ids)), thread_name_prefix="rldiag-runs") as pool:
+        got = list(pool.map(one, run_ids))
+    missing = [r for r, run in zip(run_ids, got) if run is None]
+    if missing:
+        raise RunNotFound(f"run id(s) {missing} not found in the store at {store.uri!r}. "
+                          "Copy ids from the runs list (find_runs) or check MLFLOW_TRACKING_URI.")
+    return got
+
+
+def _row(run, exp_names: dict[str, str]) -> dict:
+    info, tags = run.info, run.data.tags
+    metrics = run.to_proto().data.metrics
+    logged = [m for m in metrics if not m.key.startswith(keys.INF_FLAG_PREFIX)]
+    row = {
+        "run_id": info.run_id, "name": info.run_name or "", "experiment": exp_names.get(info.experiment_id, ""),
+        "experiment_id": info.experiment_id, "status": info.status, "start_time": info.start_time,
+        "end_time": info.end_time,
+        "last_step": max((int(m.step) for m in logged), default=None),
+        "metrics": tuple(sorted({keys.canonical_key(m.key) for m in logged})),
+        "alerts": _int(tags.get(keys.TAG_ALERT_COUNT)) or 0,
+        "first_alert_step": _int(tags.get(keys.TAG_ALERT_FIRST_STEP)),
+    }
+    row.update({col: tags.get(tag) for col, tag in _TAG_COLUMNS.items()})
+    return row
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def _no_runs_message(uri, experiments, group, variant, role, run_ids) -> str:
+    given = {k: v for k, v in {"experiments": experiments, "group": group, "variant": variant, "role": role,
+                                "run_ids": run_ids}.items() if v is not None}
+    what = ", ".join(f"{k}={v!r}" for k, v in given.items()) or "no filter"
+    return (f"no active runs match {what} in the store at {uri!r}. Drop or change a filter, "
+            f"or log runs there first (rldiag demo).")
+
+
+def runs_with_metrics(runs: pd.DataFrame, metric_keys: Sequence[str] = keys.CANONICAL_METRICS) -> pd.Series:
+    """True for the runs that logged at least one of `metric_keys` (canonical names)."""
+    wanted = set(metric_keys)
+    return runs["metrics"].map(lambda ms: bool(wanted.intersection(ms)))

@@ -1,0 +1,212 @@
+"""Plotly figures of runs overlaid per metric: pure builders shared by the dashboard and the reports.
+
+    fig = metric_figure(keys.RATIO_MEAN, h.for_key(keys.RATIO_MEAN, ids), labels=labels,
+                        reference_ids=[ref], divergences={cand: d}, options=ChartOptions(delta=True))
+
+Each run is one line, decimated by `rldiag.app.plots.decimate` (every bucket's min and max, so no spike is lost),
+drawn in the run's own colour; the reference runs wider and on top. Every NaN, +inf and -inf point is a
+marker of its own on a hidden [0, 1] axis: NaN as an x at the top edge, +inf a triangle at the top,
+-inf a triangle at the bottom, so a non-finite step shows whatever the line's scale. A candidate's
+divergence onset is a dashed vertical line and a diamond on the candidate's curve. Run names are
+escaped: plotly shows them as text in legends and hover labels, never as HTML.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import plotly.graph_objects as go
+from rldiag.app.analysis.divergence import Divergence
+from rldiag.app.data.align import align_by_step
+from rldiag.app.data.trace import Trace
+from rldiag.app.plots.decimate import DEFAULT_POINTS, decimate
+
+# Okabe-Ito, then Tableau: distinguishable for colour-blind readers; the reference always takes black.
+REFERENCE_COLOR = "#111111"
+PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#D55E00", "#CC79A7", "#0072B2", "#F0E442",
+           "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD")
+REFERENCE_GREYS = ("#111111", "#555555", "#888888", "#AAAAAA")
+
+NAN_SUFFIX = " NaN"
+POSINF_SUFFIX = " +inf"
+NEGINF_SUFFIX = " -inf"
+DIVERGES_PREFIX = "diverges: "
+
+
+@dataclass(frozen=True)
+class ChartOptions:
+    """How every metric chart of a view is drawn."""
+
+    delta: bool = False  # plot each run minus the reference (mean of the references) at the same step
+    smoothing: float = 0.0  # exponential moving average weight in [0, 1), as TensorBoard's slider; 0: raw
+    log_y: bool = False  # logarithmic y axis (non-positive values are not drawn; markers still are)
+    first: int | None = None  # first step shown (None: the start)
+    last: int | None = None  # last step shown (None: the end)
+    n_points: int = DEFAULT_POINTS  # line points per run after decimation
+    height: int = 300  # pixels
+
+    def __post_init__(self):
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ValueError(f"smoothing={self.smoothing}: use a weight in [0, 1), e.g. 0.6 (0 turns it off)")
+        if self.first is not None and self.last is not None and self.first > self.last:
+            raise ValueError(f"step range {self.first}..{self.last} is empty: the first step must be <= the last")
+
+
+def run_colors(run_ids: Sequence[str], reference_ids: Sequence[str] = ()) -> dict[str, str]:
+    """A fixed colour per run: references in black and greys, candidates from the palette, in order."""
+    refs = [r for r in run_ids if r in set(reference_ids)]
+    cands = [r for r in run_ids if r not in set(reference_ids)]
+    colors = {r: REFERENCE_GREYS[i % len(REFERENCE_GREYS)] for i, r in enumerate(refs)}
+    colors.update({r: PALETTE[i % len(PALETTE)] for i, r in enumerate(cands)})
+    return colors
+
+
+def smooth(values: np.ndarray, weight: float) -> np.ndarray:
+    """TensorBoard's debiased exponential moving average over the finite values (others stay as they
+    are). pandas' `ewm(adjust=True)` is exactly that: sum(w^i x_(n-i)) / sum(w^i)."""
+    if weight <= 0 or len(values) == 0:
+        return values
+    import pandas as pd
+
+    out = values.astype(np.float64, copy=True)
+    finite = np.isfinite(values)
+    out[finite] = pd.Series(values[finite]).ewm(alpha=1 - weight, adjust=True).mean().to_numpy()
+    return out
+
+
+def _delta_traces(traces: Mapping[str, Trace], reference_ids: Sequence[str]) -> dict[str, Trace]:
+    """Each run minus the mean of the references at the same step (steps where a reference is missing drop)."""
+    refs = [r for r in reference_ids if r in traces]
+    if not refs:
+        return dict(traces)
+    al = align_by_step(traces, how="outer")
+    ref_cols = [al.labels.index(r) for r in refs]
+    ref_ok = al.present[:, ref_cols].all(axis=1)
+    with np.errstate(invalid="ignore"):
+        centre = al.values[:, ref_cols].mean(axis=1)
+    out = {}
+    for j, run in enumerate(al.labels):
+        keep = al.present[:, j] & ref_ok
+        with np.errstate(invalid="ignore"):
+            d = al.values[keep, j] - centre[keep]
+        t = traces[run]
+        out[run] = Trace(t.run_id, t.key, t.source_key, al.steps[keep], d, np.zeros(int(keep.sum()), np.int64))
+    return out
+
+
+def _marker(name: str, steps: np.ndarray, y: float, symbol: str, color: str, group: str, size: int = 9) -> dict:
+    return dict(type="scatter", x=steps, y=np.full(len(steps), y, np.float32), mode="markers", name=name,
+                legendgroup=group, showlegend=False, yaxis="y2",
+                marker=dict(symbol=symbol, size=size, color=color, line=dict(width=1, color=color)),
+                hovertemplate=f"{name}<br>step %{{x}}<extra></extra>", cliponaxis=False)
+
+
+@functools.cache
+def _template() -> dict:
+    """plotly_white as the JSON plotly.js reads (what `template="plotly_white"` expands to)."""
+    import plotly.io as pio
+
+    return pio.templates["plotly_white"].to_plotly_json()
+
+
+def metric_figure(
+    key: str,
+    traces: Mapping[str, Trace],
+    *,
+    labels: Mapping[str, str] | None = None,
+    reference_ids: Sequence[str] = (),
+    colors: Mapping[str, str] | None = None,
+    divergences: Mapping[str, Divergence] | None = None,
+    options: ChartOptions = ChartOptions(),
+) -> go.Figure:
+    """One metric, every run in `traces` ({run_id: trace}) overlaid; see the module docstring.
+
+    `labels` maps run ids to legend names (default: the id); `divergences` maps candidate run ids to
+    their `Divergence` for this metric (onset markers)."""
+    labels = dict(labels or {})
+    colors = dict(colors or run_colors(list(traces), reference_ids))
+    shown = _delta_traces(traces, reference_ids) if options.delta else dict(traces)
+    refs = set(reference_ids)
+    data: list[dict] = []
+    shapes: list[dict] = []
+    order = [r for r in shown if r not in refs] + [r for r in shown if r in refs]  # references drawn last, on top
+    for run in order:
+        t = shown[run].between(options.first, options.last)
+        name = _text(labels.get(run, run))
+        color = colors.get(run, PALETTE[0])
+        values = smooth(t.values, options.smoothing)
+        drawn = np.isfinite(values) & (values > 0) if options.log_y else np.isfinite(values)
+        d = decimate(t.steps[drawn], values[drawn], n_out=options.n_points)
+        nf = t.nonfinite()  # every non-finite step of the raw trace, however many, as markers
+        is_ref = run in refs
+        data.append(dict(
+            type="scatter", x=d.steps, y=_compact(d.values), mode="lines", name=name, legendgroup=run,
+            line=dict(color=color, width=3.0 if is_ref else 1.6),
+            opacity=1.0 if is_ref else 0.9,
+            hovertemplate=f"%{{y:.4g}} at step %{{x}}<extra>{name}</extra>",
+        ))
+        if len(nf.nan):
+            data.append(_marker(name + NAN_SUFFIX, nf.nan, 1.0, "x", color, run))
+        if len(nf.posinf):
+            data.append(_marker(name + POSINF_SUFFIX, nf.posinf, 1.0, "triangle-up", color, run))
+        if len(nf.neginf):
+            data.append(_marker(name + NEGINF_SUFFIX, nf.neginf, 0.0, "triangle-down", color, run))
+    for run, div in (divergences or {}).items():
+        if run not in shown or not div.diverged:
+            continue
+        onset = div.onset_step
+        if (options.first is not None and onset < options.first) or (options.last is not None and onset > options.last):
+            continue
+        t = shown[run]
+        i = int(np.searchsorted(t.steps, onset))
+        y = float(t.values[min(i, len(t) - 1)]) if len(t) else float("nan")
+        color = colors.get(run, PALETTE[0])
+        name = _text(DIVERGES_PREFIX + labels.get(run, run))
+        shapes.append(dict(type="line", x0=onset, x1=onset, xref="x", y0=0, y1=1, yref="y domain",
+                           line=dict(color=color, dash="dash", width=1)))  # what fig.add_vline adds
+        data.append(dict(
+            type="scatter", x=[onset], y=[y if np.isfinite(y) else None], mode="markers", name=name,
+            legendgroup=run, showlegend=False,
+            marker=dict(symbol="diamond", size=11, color=color, line=dict(width=1, color="#000")),
+            hovertemplate=(f"{name}<br>from step %{{x}} ({div.kind}, "
+                           f"delta {div.delta:.3g} = {div.delta_sigma:.1f} sigma)<extra></extra>"),
+        ))
+    title = f"{key} (minus reference)" if options.delta else key
+    xaxis = dict(title=dict(text="step"))
+    if options.first is not None and options.last is not None:
+        xaxis["range"] = [options.first, options.last]
+    layout = dict(
+        title=dict(text=_text(title), font=dict(size=14)),
+        height=options.height, margin=dict(l=50, r=10, t=40, b=35),
+        hovermode="x", showlegend=True, legend=dict(orientation="h", y=-0.2, font=dict(size=10)),
+        xaxis=xaxis, yaxis=dict(type="log" if options.log_y else "linear"),
+        yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
+        template=_template(),
+    )
+    if shapes:
+        layout["shapes"] = shapes
+    # Built from plain dicts in one go without plotly's per-property validation (10-40x faster; the
+    # same JSON, pinned by tests/app/test_figures.py against plotly's validated figure).
+    return go.Figure(data=data, layout=layout, _validate=False)
+
+
+def _compact(values: np.ndarray) -> np.ndarray:
+    """float32 where it holds the values (a third less JSON), float64 for values beyond its range."""
+    return values.astype(np.float32) if np.abs(values).max(initial=0.0) < 3e38 else values
+
+
+def _text(text: str) -> str:
+    """Run data as plain text for plotly, which reads names, titles and hover templates as a small HTML
+    subset (and `%{...}` as template fields): escaped, `<img src=x onerror=...>` shows as those characters."""
+    return (text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace("%{", "%&#123;"))
+
+
+def trace_names(fig: go.Figure) -> list[str]:
+    """The names of a figure's traces as a reader sees them (unescaped), in drawing order."""
+    import html
+
+    return [html.unescape(t.name.replace("%&#123;", "%{")) for t in fig.data]

@@ -1,0 +1,169 @@
+"""The report as one self-contained HTML file: plotly.js embedded once, each chart a div drawn from its
+figure JSON, the tables as plain HTML. Opening it makes no network request (a Content-Security-Policy
+forbids any), so it can be attached to an issue or mailed.
+
+Run data is escaped: `html.escape` in the page, and in the figure JSON `<`, `>` and `&` are written
+as \\u003c, \\u003e, \\u0026, so no value can close the <script> element that holds it or open a comment.
+"""
+
+from __future__ import annotations
+
+import html
+from functools import cache
+
+from rldiag.app.report.content import (
+    ReportContent,
+    divergence_sentence,
+    first_departures,
+    fmt,
+    fmt_value,
+    step_ranges,
+)
+
+MAX_EVENT_ROWS = 2000  # the NaN-events table; the charts keep every non-finite step regardless
+PLOTLY_CONFIG = '{"responsive": true, "displaylogo": false}'
+# Inline scripts and styles only: no fetch, no font, no image from anywhere (plotly exports to data: URLs).
+CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
+       "img-src data: blob:; font-src data:")
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; padding: 16px 24px;
+       max-width: 1600px; color: #222; }
+h1 { font-size: 22px; margin: 4px 0; } h2 { font-size: 18px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; }
+.meta { color: #666; margin: 0 0 8px; } nav a { margin-right: 14px; }
+table { border-collapse: collapse; margin: 6px 0 10px; } th, td { border: 1px solid #ddd; padding: 3px 8px;
+  text-align: left; vertical-align: top; } th { background: #f5f5f5; } td.num { text-align: right; }
+tr.hit td { background: #fff1e0; } .swatch { display: inline-block; width: 12px; height: 12px;
+  border-radius: 2px; margin-right: 6px; vertical-align: -1px; } code { font-size: 12px; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 8px 16px; }
+.chart { min-height: 300px; } .note { color: #666; font-style: italic; }
+"""
+
+_LOADER = """(function () {
+  var config = %s;
+  document.querySelectorAll('script[type="application/json"][data-chart]').forEach(function (s) {
+    var fig = JSON.parse(s.textContent);
+    Plotly.newPlot(document.getElementById(s.getAttribute("data-chart")), fig.data, fig.layout, config);
+  });
+})();""" % PLOTLY_CONFIG
+
+
+def e(text: object) -> str:
+    """Run data as HTML text (attributes too)."""
+    return html.escape(str(text), quote=True)
+
+
+@cache
+def plotly_js() -> str:
+    """plotly.min.js of the installed plotly package (about 4.8 MB), checked safe to inline."""
+    from plotly.offline import get_plotlyjs
+
+    js = get_plotlyjs()
+    if "</script" in js.lower() or "<!--" in js:
+        raise RuntimeError("this plotly.js bundle contains '</script' or '<!--' and cannot be inlined")
+    return js
+
+
+def script_json(text: str) -> str:
+    """JSON made safe inside <script>: <, >, & only occur in JSON strings, where \\u escapes mean the same."""
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _figure_json(fig) -> str:
+    import plotly.io as pio
+
+    return script_json(pio.to_json(fig, validate=False))
+
+
+def _table(header: list[str], rows: list[tuple[list[str], str]], num: set[int] = frozenset()) -> str:
+    """Cells are already escaped; each row is (cells, css class)."""
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join(
+        f'<tr class="{cls}">' + "".join(f'<td class="num">{c}</td>' if i in num else f"<td>{c}</td>"
+                                        for i, c in enumerate(cells)) + "</tr>"
+        for cells, cls in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _runs(c: ReportContent) -> str:
+    rows = [([f'<span class="swatch" style="background:{e(r.color)}"></span>{e(r.label)}', e(r.role),
+              f"<code>{e(r.run_id)}</code>", e(r.variant or "-"), e(r.seed or "-"), e(r.status)], "")
+            for r in c.runs]
+    return _table(["run", "role", "run id", "variant", "seed", "status"], rows)
+
+
+def _divergence(c: ReportContent) -> str:
+    labels = c.labels
+    items = [e(divergence_sentence(row, labels[run])) if row is not None
+             else f"{e(labels[run])}: stays within the reference band on every metric compared"
+             for run, row in first_departures(c)]
+    rows = [([e(labels[r["run_id"]]), e(r["key"]), fmt(r["onset_step"]), e(r["kind"] or "-"),
+              fmt(r["end_step"]) if r["onset_step"] is None or r["end_step"] is not None else "(to the end)",
+              fmt(r["delta"], 3), fmt(r["delta_sigma"], 3), fmt(r["first_nonfinite_step"]), fmt(r["steps_compared"])],
+             "hit" if r["onset_step"] is not None else "")
+            for r in c.divergence.to_dict("records")]
+    return ("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
+            + _table(["candidate", "metric", "onset step", "kind", "end step", "delta", "delta (sigma)",
+                      "first non-finite step", "steps compared"], rows, {2, 4, 5, 6, 7, 8}))
+
+
+def _nan_events(c: ReportContent) -> str:
+    ev = c.nan_events
+    if ev.empty:
+        return "<p>No step with a non-finite gradient in any run.</p>"
+    labels = c.labels
+    rows = [([e(labels[r["run_id"]]), fmt(r["step"]), fmt(r["grad_norm"]), e(r["params"] or "-"),
+              e(r["positions"] or "-"), e(r["source"])], "") for r in ev.head(MAX_EVENT_ROWS).to_dict("records")]
+    more = (f'<p class="note">{len(ev) - MAX_EVENT_ROWS} more rows not shown; the charts mark every step.</p>'
+            if len(ev) > MAX_EVENT_ROWS else "")
+    return _table(["run", "step", "grad norm", "parameters", "samples / tokens", "source"], rows, {1, 2}) + more
+
+
+def _nonfinite(c: ReportContent) -> str:
+    if c.nonfinite.empty:
+        return "<p>Every charted metric is finite at every logged step.</p>"
+    labels = c.labels
+    rows = [([e(labels[r["run_id"]]), e(r["key"]), str(r["nan"]), str(r["posinf"]), str(r["neginf"]),
+              e(step_ranges(r["steps"], limit=40))], "") for r in c.nonfinite.to_dict("records")]
+    return _table(["run", "metric", "NaN", "+inf", "-inf", "at steps"], rows, {2, 3, 4})
+
+
+def _config(c: ReportContent) -> str:
+    if c.config_diff.empty:
+        return "<p>Every param and tag is the same in all runs.</p>"
+    rows = [([e(group), e(kind), f"<code>{e(name)}</code>", *(e(fmt_value(v)) for v in values)], "")
+            for group, kind, name, *values in c.config_diff.itertuples(index=False)]
+    return _table(["group", "kind", "name", *(e(r.label) for r in c.runs)], rows)
+
+
+def render_html(c: ReportContent) -> str:
+    """The whole page; see the module docstring."""
+    charts = "".join(f'<div class="chart" id="chart-{i}" data-key="{e(k)}"></div>' for i, k in enumerate(c.keys))
+    specs = "\n".join(f'<script type="application/json" data-chart="chart-{i}">{_figure_json(c.figures[k])}</script>'
+                      for i, k in enumerate(c.keys))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{CSP}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>rldiag report: {e(c.title)}</title>
+<style>{_CSS}</style>
+<script>{plotly_js()}</script>
+</head><body>
+<header><h1>rldiag report: {e(c.title)}</h1>
+<p class="meta">Store {e(c.store_uri)} &middot; generated {e(c.generated_utc)} &middot; {len(c.keys)} metrics</p>
+<nav><a href="#runs">Runs</a><a href="#divergence">Divergence</a><a href="#charts">Charts</a>
+<a href="#nan">Non-finite gradients</a><a href="#nonfinite">Non-finite values</a><a href="#config">Config diff</a></nav>
+</header>
+<section id="runs"><h2>Runs</h2>{_runs(c)}</section>
+<section id="divergence"><h2>Divergence from the references</h2>{_divergence(c)}</section>
+<section id="charts"><h2>Metrics</h2>
+<p class="note">Lines keep every bucket's min and max; x at the top: NaN, triangles: +inf/-inf;
+dashed line and diamond: where a candidate leaves the reference band.</p>
+<div class="grid">{charts}</div></section>
+<section id="nan"><h2>Non-finite gradients</h2>{_nan_events(c)}</section>
+<section id="nonfinite"><h2>Non-finite metric values</h2>{_nonfinite(c)}</section>
+<section id="config"><h2>Config differences</h2>{_config(c)}</section>
+{specs}
+<script>{_LOADER}</script>
+</body></html>
+"""

@@ -1,0 +1,104 @@
+"""The report as GitHub-flavoured Markdown, short enough for a pull-request comment.
+
+Run data (names, params, tags, keys) is escaped: Markdown's punctuation and `|` with a backslash,
+`<`, `>` and `&` as HTML entities, newlines as spaces, so a value shows as typed and cannot end a
+table cell, open a link or inject HTML. Long tables are cut at `MAX_ROWS`; the HTML report has them all.
+"""
+
+from __future__ import annotations
+
+from rldiag.app.report.content import (
+    ReportContent,
+    divergence_sentence,
+    first_departures,
+    fmt,
+    fmt_value,
+    step_ranges,
+)
+
+MAX_ROWS = 60  # per table: a PR comment holds 65,536 characters
+_ESCAPES = str.maketrans({
+    "\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "_": "\\_", "[": "\\[", "]": "\\]", "~": "\\~",
+    "<": "&lt;", ">": "&gt;", "&": "&amp;", "\n": " ", "\r": " ",
+})
+
+
+def md(text: object) -> str:
+    """Run data as literal Markdown text, safe inside a table cell."""
+    return str(text).translate(_ESCAPES)
+
+
+def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """A GFM table; cells are already escaped. `align`: one of "l"/"r" per column (default left)."""
+    seps = ["---:" if a == "r" else "---" for a in (align or "l" * len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(seps) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[:MAX_ROWS]]
+    if len(rows) > MAX_ROWS:
+        lines.append(f"\n_{len(rows) - MAX_ROWS} more rows in the HTML report._")
+    return lines
+
+
+def render_markdown(c: ReportContent) -> str:
+    """The Markdown summary: runs, divergence, non-finite gradients and values, config differences."""
+    labels = c.labels
+    out = [f"## rldiag report: {md(c.title)}", ""]
+    for role, ids in (("References", c.reference_ids), ("Candidates", c.candidate_ids)):
+        out.append(f"**{role}:** " + ", ".join(f"{md(labels[r])} ({md(r[:8])})" for r in ids) + "  ")
+    out += [f"Metrics: {', '.join(md(k) for k in c.keys) or 'none'}. Store: {md(c.store_uri)}; {md(c.generated_utc)}.",
+            ""]
+
+    out += ["### Divergence from the references", ""]
+    for run, row in first_departures(c):
+        line = (divergence_sentence(row, labels[run]) if row is not None
+                else f"{labels[run]}: stays within the reference band on every metric compared")
+        out.append("- " + md(line) + (" (first departure)" if row is not None else ""))
+    div = c.divergence
+    hits = div[div["onset_step"].notna()].to_dict("records")
+    if hits:
+        out.append("")
+        out += _table(["candidate", "metric", "onset step", "kind", "end step", "delta", "delta (sigma)",
+                       "first non-finite step"],
+                      [[md(labels[r["run_id"]]), md(r["key"]), fmt(r["onset_step"]), md(r["kind"]),
+                        fmt(r["end_step"]) if r["end_step"] is not None else "(to the end)", fmt(r["delta"], 3),
+                        fmt(r["delta_sigma"], 3), fmt(r["first_nonfinite_step"])] for r in hits], "llrlrrrr")
+    out += ["", f"{len(div) - len(hits)} of {len(div)} (candidate, metric) comparisons stay within the reference band.",
+            ""]
+
+    out += ["### Non-finite gradients", ""]
+    ev = c.nan_events
+    if ev.empty:
+        out.append("No step with a non-finite gradient in any run.")
+    else:
+        rows = []
+        for run in [r.run_id for r in c.runs]:
+            e = ev[ev["run_id"] == run]
+            if e.empty:
+                continue
+            first = e.iloc[0]
+            params = sorted({p for ps in e["params"] for p in ps.split(", ") if p})
+            rows.append([md(labels[run]), str(len(e)), md(step_ranges(e["step"])), fmt(first["grad_norm"]),
+                         md(", ".join(params[:8]) + (f" (+{len(params) - 8} more)" if len(params) > 8 else "")),
+                         md(first["positions"]) or "-"])
+        out += _table(["run", "steps", "at steps", "grad norm at the first", "parameters named", "first positions"],
+                      rows, "lrlrll")
+    out.append("")
+
+    nf = c.nonfinite
+    if not nf.empty:
+        out += ["### Non-finite metric values", ""]
+        out += _table(["run", "metric", "NaN", "+inf", "-inf", "at steps"],
+                      [[md(labels[r["run_id"]]), md(r["key"]), str(r["nan"]), str(r["posinf"]), str(r["neginf"]),
+                        md(step_ranges(r["steps"], limit=12))] for r in nf.to_dict("records")], "llrrrl")
+        out.append("")
+
+    out += ["### Config differences", ""]
+    diff = c.config_diff
+    if diff.empty:
+        out.append("Every param and tag is the same in all runs.")
+    else:
+        runs = [r.label for r in c.runs]
+        out += _table(["kind", "name", *(md(r) for r in runs)],
+                      [[md(kind), md(name), *(md(fmt_value(v)) for v in values)]  # by position: a run may be named "kind"
+                       for _, kind, name, *values in diff.itertuples(index=False)])
+    out += ["", "_Charts of every metric: the HTML report (rldiag report)._", ""]
+    return "\n".join(out)

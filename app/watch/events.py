@@ -1,0 +1,98 @@
+"""The pure part of `rldiag watch`: which steps of a run are non-finite, and the events it sends.
+
+Events keep the collectors' format (`rldiag.collectors.alerts.NonFiniteGradAlert.as_dict`, kind
+"nonfinite_grad") and add `source="watch"`, `keys` (each flagging key as logged, with its value) and
+`experiment`; divergence events have kind "divergence".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from rldiag.app.data.histories import Histories
+from rldiag.collectors import keys
+from rldiag.collectors.alerts import NonFiniteGradAlert
+
+SOURCE = "watch"
+
+
+def _num(v: float) -> float | str:
+    """JSON-safe number, as the collectors' events spell it: NaN/inf become strings."""
+    return v if math.isfinite(v) else str(v)
+
+
+@dataclass(frozen=True)
+class BadStep:
+    """One non-finite step of a run: the grad norm there (NaN if none was logged) and what flagged it."""
+
+    step: int
+    grad_norm: float
+    values: dict[str, float]  # key as logged -> its value at this step
+
+
+def bad_steps(h: Histories, run_id: str) -> list[BadStep]:
+    """Steps of `run_id` in `h` where `grad/finite` is 0 (or NaN) or the grad norm is NaN/+-inf."""
+    found: dict[int, dict[str, float]] = {}
+    norm = h.get(run_id, keys.GRAD_NORM)
+    if norm is not None:
+        bad = ~np.isfinite(norm.values)
+        for s, v in zip(norm.steps[bad].tolist(), norm.values[bad].tolist()):
+            found.setdefault(s, {})[norm.source_key] = v
+    flag = h.get(run_id, keys.GRAD_FINITE)
+    if flag is not None:
+        bad = (flag.values == 0.0) | np.isnan(flag.values)
+        for s, v in zip(flag.steps[bad].tolist(), flag.values[bad].tolist()):
+            found.setdefault(s, {})[flag.source_key] = v
+    out = []
+    for s in sorted(found):
+        gn = math.nan
+        if norm is not None:
+            i = int(np.searchsorted(norm.steps, s))
+            if i < len(norm.steps) and norm.steps[i] == s:
+                gn = float(norm.values[i])
+        out.append(BadStep(s, gn, found[s]))
+    return out
+
+
+@dataclass
+class WatchAlert:
+    """A `NonFiniteGradAlert` seen from outside the trainer: no parameter names, the keys that flagged it,
+    and `source="watch"` in the event. It has what `AlertDispatcher.emit` reads (run_id, run_name, step,
+    as_dict); `kind` stays "nonfinite_grad" so every sink, the MLflow tag sink included, takes it."""
+
+    alert: NonFiniteGradAlert
+    values: dict[str, float]
+    experiment: str = ""
+
+    run_id = property(lambda self: self.alert.run_id)
+    run_name = property(lambda self: self.alert.run_name)
+    step = property(lambda self: self.alert.step)
+
+    def text(self) -> str:
+        a = self.alert
+        name = f"{a.run_name} ({a.run_id})" if a.run_name else a.run_id
+        flagged = ", ".join(f"{k}={v}" for k, v in self.values.items())
+        where = f" in experiment {self.experiment!r}" if self.experiment else ""
+        return f"rldiag watch: non-finite gradients in run {name}{where} at step {a.step}: {flagged}"
+
+    def as_dict(self) -> dict:
+        d = self.alert.as_dict()
+        d.update(source=SOURCE, keys={k: _num(v) for k, v in self.values.items()}, experiment=self.experiment,
+                 text=self.text())
+        return d
+
+
+def divergence_event(run_id: str, run_name: str, group: str, references: Sequence[str], row: dict) -> dict:
+    """The event for a candidate that left its references' band on one metric (see `rldiag.app.analysis.divergence`)."""
+    delta = row["delta"]
+    size = f"; delta {delta:+.4g} ({row['delta_sigma']:+.1f} sigma)" if isinstance(delta, float) and math.isfinite(delta) else ""
+    text = (f"rldiag watch: run {run_name or run_id} ({run_id}) diverges from its reference(s) in group {group!r} "
+            f"on {row['key']} from step {row['onset_step']} ({row['kind']}){size}")
+    return {"kind": "divergence", "source": SOURCE, "run_id": run_id, "run_name": run_name, "group": group,
+            "references": list(references), "key": row["key"], "step": int(row["onset_step"]),
+            "departure": row["kind"], "delta": _num(float(delta)), "delta_sigma": _num(float(row["delta_sigma"])),
+            "time": time.time(), "text": text}

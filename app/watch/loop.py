@@ -1,0 +1,325 @@
+"""`rldiag watch`: alert on non-finite gradients in the active runs of an MLflow store, whoever logged them.
+
+Each poll cycle (one at a time, every `--interval` seconds):
+1. lists the runs to look at: status RUNNING, plus runs that ended since the previous cycle started
+   (so a run that finishes, or starts and finishes, between two polls is still read to its end);
+2. reads only what is new of the gradient keys of those runs (`rldiag.app.data.histories.load_histories` with the
+   previous result: a rowid cursor on SQLite, per-key row offsets on a server): `grad/finite` and
+   `grad/norm` with every alias of it in `rldiag.collectors.keys.ALIASES` (`grad_norm`, `actor/grad_norm`,
+   ...) and rldiag's inf flags;
+3. a step is bad when `grad/finite` is 0 or the grad norm is NaN or +-inf. MLflow's SQL stores keep
+   inf as +-max-float; `rldiag.app.data.nonfinite.restore_infinities` reads exactly +-1.7976931348623157e308 (and
+   any rldiag inf flag) back as inf;
+4. every bad step not in the state file becomes one event through the collectors' sinks
+   (`rldiag.collectors.alerts`: log, JSONL, webhook, MLflow tags), rate-limited per run for log and webhook;
+   then the state is saved (see `rldiag.app.watch.state`).
+With `--divergence`, candidates (tag rldiag.role=candidate) are also compared with the reference runs
+of their rldiag.group (`rldiag.app.analysis.divergence`), once per (run, metric).
+
+Delivery is at-least-once: events go out before the state is saved, so only a hard kill between the
+two can repeat that cycle's events; SIGTERM and Ctrl-C finish the cycle and save.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from rldiag.app.data.histories import Histories, load_histories
+from rldiag.app.data.store import Store, store_errors
+from rldiag.app.watch.events import WatchAlert, bad_steps, divergence_event
+from rldiag.app.watch.state import WatchState
+from rldiag.collectors import keys
+from rldiag.collectors.alerts import (
+    AlertDispatcher,
+    MlflowTagSink,
+    NonFiniteGradAlert,
+)
+from rldiag.collectors.uri import redact_uri
+
+log = logging.getLogger("rldiag.watch")
+
+WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE)  # canonical; aliases come from keys.ALIASES
+ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
+DEFAULT_INTERVAL = 30.0
+
+EXAMPLES = """\
+examples:
+  rldiag watch                                   every 30 s, all experiments in ./mlruns.db
+  rldiag watch --tracking-uri http://mlflow:5000 --experiment grpo --jsonl alerts.jsonl
+  RLDIAG_WEBHOOK_URL=https://hooks.slack.com/... rldiag watch --interval 60 --divergence
+  rldiag watch --once                            one poll cycle (cron); exit 1 if it sent alerts
+
+A step is non-finite when grad/finite is 0, or grad/norm (or grad_norm, actor/grad_norm, ...) is NaN
+or inf (MLflow stores inf as 1.797e308; read back as inf). The state file remembers what was already
+alerted, so a restarted watcher neither repeats nor misses an event.
+"""
+
+
+# ---- the watcher ---------------------------------------------------------------------------------
+class _Shared:
+    """A sink shared by the per-run dispatchers: their close() must not close it (the watcher does)."""
+
+    def __init__(self, sink):
+        self.sink, self.rate_limited = sink, sink.rate_limited
+
+    def send(self, event: dict) -> None:
+        self.sink.send(event)
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return repr(self.sink)
+
+
+@dataclass
+class CycleResult:
+    runs: int  # runs read this cycle
+    alerts: int  # new events sent
+    fetched: int  # metric rows read
+    seconds: float
+    new_runs: list[str] = field(default_factory=list)
+
+
+class Watcher:
+    """Polls one store; `poll()` is one cycle, `loop()` repeats it. Sinks are closed by `close()`."""
+
+    def __init__(self, store: Store, state: WatchState, sinks: list, *, experiments: Sequence[str] | None = None,
+                 tag_runs: bool = False, divergence: bool = False, burst: int = 3, burst_interval_s: float = 300.0):
+        if tag_runs and store.sqlite_path is not None:
+            store = replace(store, writes_here=True)  # it writes tags into that file
+        self.store, self.state, self.sinks = store, state, list(sinks)
+        self.tag_runs, self.divergence = tag_runs, divergence
+        self._burst = (burst, burst_interval_s)
+        self._exp_ids = self._resolve(experiments) if experiments else None
+        self._h: Histories | None = None
+        self._div_h: Histories | None = None
+        self._dispatchers: dict[str, AlertDispatcher] = {}
+        self._seen: set[str] = set()
+
+    def _resolve(self, names: Sequence[str]) -> list[str]:
+        from rldiag.app.errors import ExperimentNotFound
+
+        exps = {e.name: e.experiment_id for e in self._experiments()}
+        missing = [n for n in names if n not in exps]
+        if missing:
+            have = sorted(exps)
+            raise ExperimentNotFound(f"experiment(s) {missing} not found in the store at {redact_uri(self.store.uri)!r}; "
+                                     f"it has: {have[:20]}{' ...' if len(have) > 20 else ''}. Check --experiment.")
+        return [exps[n] for n in dict.fromkeys(names)]
+
+    def _experiments(self) -> list:
+        out, token = [], None
+        while True:
+            page = self.store.client.search_experiments(max_results=1000, page_token=token)
+            out.extend(page)
+            token = page.token
+            if not token:
+                return out
+
+    def _search(self, exp_ids: list[str], filter_string: str) -> list:
+        out, token = [], None
+        while True:
+            page = self.store.client.search_runs(exp_ids, filter_string=filter_string, max_results=1000,
+                                                 page_token=token)
+            out.extend(page)
+            token = page.token
+            if not token:
+                return out
+
+    def runs_to_read(self, since_ms: int) -> tuple[list, dict[str, str]]:
+        """Active (RUNNING) runs, plus runs that ended at or after `since_ms`; and experiment names by id."""
+        exps = self._experiments() if self._exp_ids is None else None
+        names = {e.experiment_id: e.name for e in exps} if exps is not None else {}
+        exp_ids = self._exp_ids if self._exp_ids is not None else list(names)
+        if not exp_ids:
+            return [], names
+        runs = {r.info.run_id: r for r in self._search(exp_ids, "attributes.status = 'RUNNING'")}
+        for r in self._search(exp_ids, f"attributes.end_time >= {int(since_ms)}"):
+            runs.setdefault(r.info.run_id, r)
+        return list(runs.values()), names
+
+    def poll(self) -> CycleResult:
+        """One cycle: list runs, read what is new, send an event per new bad step, save the state."""
+        t0, started_ms = time.perf_counter(), int(time.time() * 1000)
+        # Runs that ended since the last cycle started (on a first start: in the last margin) are read
+        # once more, so points logged just before the end are not lost between two polls.
+        since = (self.state.last_poll_ms or started_ms) - ENDED_MARGIN_MS
+        runs, exp_names = self.runs_to_read(since)
+        ids = [r.info.run_id for r in runs]
+        self._h = load_histories(self.store, ids, WATCH_KEYS, previous=self._h) if ids else None
+        sent = 0
+        for r in runs:
+            sent += self._check_run(r, exp_names.get(r.info.experiment_id, ""))
+        if self.divergence:
+            sent += self._check_divergence(runs)
+        new = [i for i in ids if i not in self._seen]
+        self._seen = set(ids)
+        self.state.last_poll_ms = started_ms
+        self.state.save()
+        return CycleResult(len(ids), sent, self._h.fetched if self._h else 0, time.perf_counter() - t0, new)
+
+    def _check_run(self, run, experiment: str) -> int:
+        run_id, name = run.info.run_id, run.info.run_name or ""
+        found = bad_steps(self._h, run_id)
+        if not found:
+            return 0
+        rs = self.state.run(run_id, name)
+        fresh = set(rs.new_steps(np.array([b.step for b in found], np.int64)).tolist())
+        todo = [b for b in found if b.step in fresh]
+        if not todo:
+            return 0
+        disp = self._dispatcher(run_id, rs)
+        for b in todo:
+            disp.emit(WatchAlert(NonFiniteGradAlert(run_id, b.step, b.grad_norm, [], run_name=name), b.values,
+                                 experiment))
+            rs.mark(b.step)
+        self.state.save()  # per run, so a crash repeats as little as possible
+        return len(todo)
+
+    def _dispatcher(self, run_id: str, rs) -> AlertDispatcher:
+        d = self._dispatchers.get(run_id)
+        if d is None:
+            sinks = [_Shared(s) for s in self.sinks]
+            # The collectors tag their own runs; the watcher tags only runs without rldiag's grad/finite.
+            if self.tag_runs and self._h.get(run_id, keys.GRAD_FINITE) is None:
+                tag = MlflowTagSink(lambda tags, rid=run_id: self._set_tags(rid, tags))
+                tag.count, tag.first_step = rs.alerts, rs.first_step  # continue the counters across restarts
+                sinks.append(tag)
+            d = self._dispatchers[run_id] = AlertDispatcher(sinks, burst=self._burst[0], interval_s=self._burst[1])
+        return d
+
+    def _set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.store.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+    def _check_divergence(self, runs: list) -> int:
+        from rldiag.app.analysis.divergence import divergence_table
+
+        cands = [r for r in runs if r.data.tags.get(keys.TAG_ROLE) == "candidate" and r.data.tags.get(keys.TAG_GROUP)]
+        if not cands:
+            return 0
+        exp_ids = sorted({r.info.experiment_id for r in cands})
+        refs: dict[str, list[str]] = {}
+        for g in sorted({r.data.tags[keys.TAG_GROUP] for r in cands}):
+            if "'" in g:
+                continue  # cannot be quoted in a search filter; skipped
+            found = self._search(exp_ids, f"tags.`{keys.TAG_GROUP}` = '{g}' AND tags.`{keys.TAG_ROLE}` = 'reference'")
+            refs[g] = [r.info.run_id for r in found]
+        ids = list(dict.fromkeys([i for g in refs.values() for i in g] + [r.info.run_id for r in cands]))
+        metrics = [k for k in keys.CANONICAL_METRICS if k not in (keys.GRAD_FINITE, keys.GRAD_NONFINITE_PARAMS)]
+        self._div_h = load_histories(self.store, ids, metrics, previous=self._div_h)
+        sent = 0
+        for r in cands:
+            g, run_id, name = r.data.tags[keys.TAG_GROUP], r.info.run_id, r.info.run_name or ""
+            if not refs.get(g):
+                continue
+            table = divergence_table(self._div_h, refs[g], run_id)
+            rs = None
+            for row in table[table["onset_step"].notna()].to_dict("records"):
+                rs = rs or self.state.run(run_id, name)
+                if row["key"] in rs.diverged:
+                    continue
+                event = divergence_event(run_id, name, g, refs[g], row)
+                for sink in self.sinks:  # once per (run, metric): no rate limit needed
+                    try:
+                        sink.send(event)
+                    except Exception as e:  # noqa: BLE001 - a broken sink must not stop the others
+                        log.warning("rldiag watch: alert sink %r failed: %s: %s", sink, type(e).__name__, e)
+                rs.diverged[row["key"]] = event["step"]
+                sent += 1
+        return sent
+
+    def close(self) -> None:
+        for run_id, d in self._dispatchers.items():
+            d.close(run_id, self.state.runs[run_id].name if run_id in self.state.runs else None)
+        for s in self.sinks:
+            try:
+                s.close()
+            except Exception as e:  # noqa: BLE001 - close the others
+                log.warning("rldiag watch: closing %r failed: %s", s, e)
+
+
+class _Collect:
+    """A sink that keeps every event in a list (for `watch_once`)."""
+
+    rate_limited = False
+
+    def __init__(self):
+        self.events: list[dict] = []
+
+    def send(self, event: dict) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        pass
+
+
+def watch_once(tracking_uri: str | Store | None = None, *, experiments: Sequence[str] | None = None,
+               state: WatchState | None = None, sinks: Sequence | None = None,
+               divergence: bool = False) -> tuple[CycleResult, list[dict]]:
+    """One watcher cycle, from a notebook or a script: `(result, events)`, the events it found.
+
+    `state` (default: a fresh one in memory, so every bad step of the runs read is reported) makes
+    repeated calls report only what is new; `sinks` also receive the events (log, JSONL, webhook).
+    """
+    from rldiag.app.data.store import open_store
+
+    store = tracking_uri if isinstance(tracking_uri, Store) else open_store(tracking_uri)
+    collect = _Collect()
+    watcher = Watcher(store, state if state is not None else WatchState(), [collect, *(sinks or [])],
+                      experiments=experiments, divergence=divergence, burst=1 << 30)
+    try:
+        result = watcher.poll()
+    finally:
+        watcher.close()
+    return result, collect.events
+
+
+def loop(watcher: Watcher, interval: float, stop: threading.Event, *, once: bool = False) -> int:
+    """Poll until `stop` is set (or once). A store that fails is reported once, then again when it answers."""
+    errors = store_errors()
+    uri = redact_uri(watcher.store.uri)
+    down_since: float | None = None
+    failures = 0
+    sent_total = 0
+    while True:
+        t0 = time.monotonic()
+        try:
+            watcher.store.check(timeout_s=5.0)  # a server that is down fails in seconds, not after MLflow's retries
+            res = watcher.poll()
+        except errors as e:
+            failures += 1
+            first = str(e).splitlines()[0] if str(e) else ""
+            if once:
+                log.error("rldiag watch: the tracking store at %s did not answer: %s: %s", uri, type(e).__name__, first)
+                return 2
+            if down_since is None:
+                down_since = t0
+                log.warning("rldiag watch: the tracking store at %s is unreachable (%s: %s); still polling every %g s",
+                            uri, type(e).__name__, first[:300], interval)
+        else:
+            sent_total += res.alerts
+            if down_since is not None:
+                log.warning("rldiag watch: the tracking store at %s answers again after %.0f s (%d failed polls); "
+                            "caught up", uri, time.monotonic() - down_since, failures)
+                down_since, failures = None, 0
+            if res.new_runs:
+                log.info("rldiag watch: reading %d run(s), %d new: %s", res.runs, len(res.new_runs),
+                         ", ".join(res.new_runs[:5]) + (" ..." if len(res.new_runs) > 5 else ""))
+            log.debug("rldiag watch: cycle %.3f s, %d runs, %d rows, %d alerts", res.seconds, res.runs, res.fetched,
+                      res.alerts)
+            if once:
+                log.info("rldiag watch: one cycle: %d run(s) read, %d new alert(s), %d rows, %.2f s", res.runs,
+                         res.alerts, res.fetched, res.seconds)
+                return 1 if res.alerts else 0
+        if stop.wait(max(0.0, interval - (time.monotonic() - t0))):
+            return 0
+
+

@@ -1,0 +1,143 @@
+"""Divergence on synthetic runs with a known truth: seeds alone never fire, a real onset fires at once.
+
+The generator (`bench.divergence_data`, which the divergence-quality benchmark uses too): a saturating
+trend, per-seed slow wander and per-step noise of sd 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from rldiag.app.analysis.divergence import (
+    DivergenceConfig,
+    compute_band,
+    detect_divergence,
+    divergence_table,
+)
+from rldiag.app.data.histories import load_histories
+from rldiag.collectors import keys
+
+from bench.divergence_data import ONSET, T, refs, seed_run, trace
+from tests.app.conftest import write_run
+
+
+@pytest.mark.parametrize("n_seeds, heavy", [(1, False), (3, False), (4, True)])
+def test_runs_that_differ_only_in_seed_never_fire(n_seeds, heavy):
+    wander = 0.3 if n_seeds > 1 else 0.0  # one reference run cannot know how far seeds wander
+    fired = []
+    for seed in range(40):
+        cand = trace(seed_run(1000 * seed + 999, wander=wander, heavy=heavy))
+        d = detect_divergence(refs(seed, n_seeds, wander=wander, heavy=heavy), cand)
+        assert d.steps_compared == T
+        if d.diverged:
+            fired.append((seed, d.onset_step, d.kind))
+    assert fired == []
+
+
+def test_step_change_fires_within_a_few_steps():
+    delays = []
+    for seed in range(20):
+        c = seed_run(1000 * seed + 999)
+        c[ONSET:] += 5.0  # five noise sd
+        d = detect_divergence(refs(seed, 3), trace(c))
+        assert d.kind == "level" and d.end_step is None  # it stays out to the end
+        assert d.delta == pytest.approx(5.0, abs=1.0) and d.delta_sigma > 3
+        delays.append(d.onset_step - ONSET)
+    assert all(-2 <= x <= 5 for x in delays), delays
+    # Three noise sd against a single reference: the median onset within 5 steps.
+    small = []
+    for seed in range(20):
+        c = seed_run(1000 * seed + 999, wander=0.0)
+        c[ONSET:] -= 3.0
+        d = detect_divergence(trace(seed_run(1000 * seed, wander=0.0)), trace(c))
+        assert d.diverged and d.delta < 0
+        small.append(d.onset_step - ONSET)
+    assert np.median(small) <= 5 and min(small) >= -3, small
+
+
+def test_slow_drift_fires_after_it_starts():
+    for seed in range(5):
+        c = seed_run(1000 * seed + 999)
+        c[ONSET:] += 0.02 * np.arange(T - ONSET)  # 0.02 noise sd per step
+        d = detect_divergence(refs(seed, 3), trace(c))
+        assert d.kind == "level" and ONSET < d.onset_step < ONSET + 250 and d.delta > 0
+
+
+def test_nan_in_the_candidate():
+    r = refs(0, 3)
+    c = seed_run(999)
+    c[ONSET:] = np.nan  # the run goes NaN and stays NaN
+    d = detect_divergence(r, trace(c))
+    assert (d.onset_step, d.kind, d.first_nonfinite_step) == (ONSET, "nonfinite", ONSET)
+    one = seed_run(999)
+    one[ONSET], one[ONSET + 1] = np.nan, np.inf  # two bad steps, then finite again (skip policy)
+    d = detect_divergence(r, trace(one))
+    assert not d.diverged and d.first_nonfinite_step == ONSET
+
+
+def test_a_single_spike_or_a_variance_change():
+    r = refs(1, 3)
+    c = seed_run(1999)
+    c[ONSET] += 100.0
+    assert not detect_divergence(r, trace(c)).diverged
+    noisy = seed_run(1999)
+    noisy[ONSET:] += np.random.default_rng(7).normal(0, 4, T - ONSET)
+    d = detect_divergence(r, trace(noisy))
+    assert d.kind == "variance" and ONSET - 5 <= d.onset_step <= ONSET + 40
+
+
+def test_only_common_steps_are_compared_and_the_band_is_drawable():
+    r = refs(2, 3)
+    live = seed_run(2999, n=400)  # a candidate still running: 400 of the reference's 1000 steps
+    d = detect_divergence(r, trace(live))
+    assert not d.diverged and d.steps_compared == 400
+    band, _, _ = compute_band(r, trace(live))
+    assert len(band.steps) == 400 and np.all(band.lower < band.center) and np.all(band.center < band.upper)
+    flat = trace(np.zeros(200))  # a reference that is exactly 0 (a clip rate that never clips)
+    assert not detect_divergence(flat, trace(np.zeros(200))).diverged
+    assert detect_divergence(flat, trace(np.r_[np.zeros(100), np.full(100, 0.2)])).onset_step == 100
+    assert not detect_divergence(flat, trace(np.r_[np.zeros(100), np.full(100, 0.2)]),
+                                 DivergenceConfig(min_delta=0.5)).diverged
+    with pytest.raises(ValueError, match="window=8"):
+        DivergenceConfig(window=8)
+
+
+def test_divergence_table_from_a_store(store_uri):
+    """A reference band of three seeds and two candidates, written through rldiag's writer."""
+    def steps_of(values: dict[str, np.ndarray]):
+        return [(s, {k: float(v[s]) for k, v in values.items()}) for s in range(400)]
+
+    ref_ids = [write_run(store_uri, name=f"ref{i}", steps=steps_of({keys.RATIO_MEAN: seed_run(i, n=400),
+                                                                    keys.ENTROPY: seed_run(10 + i, n=400)}))
+               for i in range(3)]
+    same = write_run(store_uri, name="another seed", steps=steps_of({keys.RATIO_MEAN: seed_run(7, n=400),
+                                                                     keys.ENTROPY: seed_run(17, n=400)}))
+    shifted = seed_run(8, n=400)
+    shifted[250:] += 4.0
+    broken = write_run(store_uri, name="v1 defaults", steps=steps_of({keys.RATIO_MEAN: shifted,
+                                                                      keys.ENTROPY: seed_run(18, n=400)}))
+    h = load_histories(store_uri, [*ref_ids, same, broken])
+    quiet = divergence_table(h, ref_ids, same)
+    assert quiet.key.tolist() == [keys.ENTROPY, keys.RATIO_MEAN] and quiet.onset_step.isna().all()
+    loud = divergence_table(h, ref_ids, broken).set_index("key")
+    assert pd.isna(loud.loc[keys.ENTROPY, "onset_step"])
+    assert 250 <= loud.loc[keys.RATIO_MEAN, "onset_step"] <= 255 and loud.loc[keys.RATIO_MEAN, "delta"] > 2
+
+
+def test_a_candidate_apart_from_the_first_step_diverges_at_the_first_step():
+    # a short run (20 steps, as the engine-parity experiment logs) that is off from step 0 and keeps
+    # moving: the onset is step 0, not where the gap grows fastest
+    r = refs(3, 3, n=20)
+    c = seed_run(3999, n=20) + 10.0 + np.linspace(0, 20, 20) ** 1.5
+    d = detect_divergence(r, trace(c))
+    assert d.diverged and d.onset_step == 0 and d.kind == "level"
+
+
+def test_a_candidate_at_parity_for_one_step_then_apart_diverges_at_the_second():
+    # engine-parity's prefix cache kept across updates: identical at step 0, apart from step 1
+    r = refs(4, 3, n=20)
+    c = seed_run(4999, n=20) + 10.0
+    c[0] = np.median([t.values[0] for t in r])
+    d = detect_divergence(r, trace(c))
+    assert d.diverged and d.onset_step == 1

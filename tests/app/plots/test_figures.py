@@ -1,0 +1,167 @@
+"""The overlay figures: right traces, every NaN/inf a marker, references emphasised, names as text."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import plotly.io as pio
+import pytest
+from rldiag.app.analysis.divergence import detect_divergence
+from rldiag.app.data.trace import Trace
+from rldiag.app.plots.figures import (
+    DIVERGES_PREFIX,
+    REFERENCE_COLOR,
+    ChartOptions,
+    metric_figure,
+    run_colors,
+    smooth,
+    trace_names,
+)
+
+
+def _trace(run: str, values, steps=None, key: str = "policy/ratio_mean") -> Trace:
+    values = np.asarray(values, np.float64)
+    steps = np.arange(len(values), dtype=np.int64) if steps is None else np.asarray(steps, np.int64)
+    return Trace(run, key, key, steps, values, np.zeros(len(values), np.int64))
+
+
+def _y(trace) -> np.ndarray:
+    return np.asarray(trace.y, np.float64)
+
+
+def test_reference_is_drawn_last_wider_and_black_candidates_in_their_colours():
+    ref, cand = _trace("ref", np.ones(50)), _trace("cand", np.ones(50) * 1.1)
+    fig = metric_figure("policy/ratio_mean", {"ref": ref, "cand": cand}, labels={"ref": "v0", "cand": "v1"},
+                        reference_ids=["ref"])
+    assert trace_names(fig) == ["v1", "v0"]  # candidates first, the reference on top
+    v1, v0 = fig.data
+    assert v0.line.color == REFERENCE_COLOR and v0.line.width > v1.line.width
+    assert v1.line.color == run_colors(["ref", "cand"], ["ref"])["cand"] != REFERENCE_COLOR
+    np.testing.assert_allclose(_y(v1), 1.1, rtol=1e-6)
+
+
+def test_every_nonfinite_point_is_a_marker_and_the_line_keeps_every_spike():
+    values = np.random.default_rng(0).normal(0, 1, 100_000)
+    values[[10, 20_000, 99_998]] = np.nan
+    values[30_000] = np.inf
+    values[40_000] = -np.inf
+    values[55_555] = 1e4  # a one-step spike among 100k points
+    fig = metric_figure("grad/norm", {"r": _trace("r", values, key="grad/norm")}, options=ChartOptions(n_points=1000))
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {"r", "r NaN", "r +inf", "r -inf"}
+    line = by_name["r"]
+    assert len(line.x) <= 1002
+    assert 55_555 in set(np.asarray(line.x).tolist()) and _y(line).max() == pytest.approx(1e4)
+    assert np.asarray(by_name["r NaN"].x).tolist() == [10, 20_000, 99_998]
+    assert np.asarray(by_name["r +inf"].x).tolist() == [30_000]
+    assert np.asarray(by_name["r -inf"].x).tolist() == [40_000]
+    # markers sit on the hidden [0, 1] axis: NaN and +inf at the top edge, -inf at the bottom
+    assert by_name["r NaN"].yaxis == "y2" and _y(by_name["r NaN"]).tolist() == [1.0, 1.0, 1.0]
+    assert _y(by_name["r -inf"]).tolist() == [0.0]
+
+
+def test_delta_mode_subtracts_the_mean_of_the_references_step_by_step():
+    refs = {"a": _trace("a", [1.0, 1.0, 1.0, 1.0]), "b": _trace("b", [3.0, 3.0, 3.0, 3.0])}
+    cand = _trace("c", [2.0, 2.5, np.nan, 5.0], steps=[0, 1, 2, 3])
+    fig = metric_figure("m", {**refs, "c": cand}, reference_ids=["a", "b"], options=ChartOptions(delta=True))
+    by_name = {t.name: t for t in fig.data}
+    # reference centre is 2.0 at every step: deltas 0.0, 0.5, (NaN), 3.0; a: -1, b: +1
+    np.testing.assert_allclose(_y(by_name["c"]), [0.0, 0.5, 3.0])
+    assert np.asarray(by_name["c NaN"].x).tolist() == [2]
+    np.testing.assert_allclose(_y(by_name["a"]), -1.0)
+    assert "minus reference" in fig.layout.title.text
+
+
+def test_divergence_onset_is_marked_on_the_candidate():
+    rng = np.random.default_rng(1)
+    refs = [_trace(f"s{i}", 1 + 0.01 * rng.standard_normal(300)) for i in range(3)]
+    shifted = 1 + 0.01 * rng.standard_normal(300)
+    shifted[200:] += 0.1  # 10 noise sd from step 200
+    cand = _trace("cand", shifted)
+    div = detect_divergence(refs, cand)
+    assert div.diverged and 195 <= div.onset_step <= 205
+    fig = metric_figure("policy/ratio_mean", {**{t.run_id: t for t in refs}, "cand": cand},
+                        reference_ids=[t.run_id for t in refs], divergences={"cand": div})
+    marker = next(t for t in fig.data if t.name == DIVERGES_PREFIX + "cand")
+    assert list(marker.x) == [div.onset_step]
+    assert [s.x0 for s in fig.layout.shapes] == [div.onset_step]
+
+
+def test_step_range_log_scale_and_smoothing():
+    t = _trace("r", np.r_[np.linspace(1, 100, 100), -5.0, 0.0, np.nan])
+    fig = metric_figure("m", {"r": t}, options=ChartOptions(first=10, last=102, log_y=True))
+    line = next(tr for tr in fig.data if tr.name == "r")
+    assert min(line.x) == 10 and (_y(line) > 0).all()  # -5 and 0 cannot be drawn on a log axis
+    assert fig.layout.yaxis.type == "log"
+    assert [tr.name for tr in fig.data] == ["r", "r NaN"]
+    # TensorBoard's debiased EMA: the first value is kept, then 0.5 * previous + 0.5 * new, debiased
+    np.testing.assert_allclose(smooth(np.array([2.0, 4.0, np.nan, 4.0]), 0.5),
+                               [2.0, (0.5 * 1.0 + 2.0) / 0.75, np.nan, (0.5 * 2.5 + 2.0) / 0.875])
+
+
+def test_bad_options_say_what_to_use():
+    with pytest.raises(ValueError, match=r"smoothing=1.0: use a weight in \[0, 1\)"):
+        ChartOptions(smoothing=1.0)
+    with pytest.raises(ValueError, match="step range 50..10 is empty"):
+        ChartOptions(first=50, last=10)
+
+
+def test_html_shaped_run_names_stay_text_in_the_figure_json():
+    evil = "<img src=x onerror=alert(1)> %{y}"
+    fig = metric_figure("m", {"r": _trace("r", [1.0, np.nan])}, labels={"r": evil})
+    spec = json.loads(pio.to_json(fig))
+    raw = json.dumps(spec)
+    assert "<img" not in raw and "%{y}<" not in raw  # escaped for plotly's HTML subset and templates
+    assert trace_names(fig) == [evil, evil + " NaN"]  # and read back as the same text
+
+
+@pytest.mark.slow
+def test_a_run_of_a_million_points_loads_and_draws_bounded(tmp_path):
+    # 1 M points of one metric, stored as MLflow stores them (bench's store builder), NaN/inf included
+    from rldiag.app.data.histories import load_histories
+
+    from bench._common import metric_store
+
+    n = 1_000_000
+
+    def series(run_no, key_no, key):
+        v = np.random.default_rng(0).normal(0, 1, n)
+        v[[7, 500_000]] = np.nan
+        v[999_999] = np.inf
+        v[123_456] = 1e3  # one spike
+        return v
+
+    uri, (rid,) = metric_store(tmp_path / "big.db", "big", [("big", {}, {})], ["grad/norm"], n, series)
+    t = load_histories(uri, [rid], ["grad/norm"]).get(rid, "grad/norm")
+    assert len(t) == n
+    fig = metric_figure("grad/norm", {rid: t}, labels={rid: "big"})
+    by_name = {tr.name: tr for tr in fig.data}
+    assert len(by_name["big"].x) <= 2002 and 123_456 in set(np.asarray(by_name["big"].x).tolist())
+    assert np.asarray(by_name["big NaN"].x).tolist() == [7, 500_000]
+    assert np.asarray(by_name["big +inf"].x).tolist() == [999_999]
+    assert len(pio.to_json(fig)) < 200_000  # what the browser gets stays small
+
+
+@pytest.mark.parametrize("options", [ChartOptions(), ChartOptions(delta=True, smoothing=0.5, log_y=True, first=5, last=250)])
+def test_figure_is_what_plotly_validates(options):
+    """metric_figure skips plotly's per-property validation for speed: its JSON must be exactly what
+    plotly's validated figure of the same content gives (no shorthand plotly.js would misread)."""
+    import plotly.graph_objects as go
+
+    rng = np.random.default_rng(3)
+    refs = {f"s{i}": _trace(f"s{i}", 1 + 0.01 * rng.standard_normal(300)) for i in range(3)}
+    values = 1 + 0.01 * rng.standard_normal(300)
+    values[150:] += 0.2
+    values[[7, 200]] = [np.nan, np.inf]
+    values[201] = -np.inf
+    cand = _trace("c", values)
+    divs = {"c": detect_divergence(list(refs.values()), cand)}
+    assert divs["c"].diverged
+    fig = metric_figure("policy/ratio_mean", {**refs, "c": cand}, reference_ids=list(refs), divergences=divs,
+                        labels={"c": "<b>v1</b> %{y}"}, options=options)
+    ours = json.loads(fig.to_json())
+    validated = json.loads(go.Figure(fig.to_dict()).to_json())
+    assert ours == validated
+    assert ours["layout"]["template"]["layout"]["plot_bgcolor"] == "white"  # plotly_white, expanded for plotly.js
+    assert ours["layout"]["shapes"][0]["x0"] == divs["c"].onset_step
