@@ -59,9 +59,6 @@ def main(argv: list[str] | None = None) -> dict:
         args.blocks, args.block_steps = 3, 6
 
     import torch
-    from rldiag.collectors import MetricWriter
-    from rldiag.collectors.integrations.transformers import RldiagCallback
-    from rldiag.collectors.session import RunSession
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -71,6 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
         TrainingArguments,
     )
     from transformers.utils import logging as hf_logging
+
+    from rldiag.collectors import MetricWriter
+    from rldiag.collectors.integrations.transformers import RldiagCallback
+    from rldiag.collectors.session import RunSession
 
     quiet_mlflow()
     hf_logging.set_verbosity_error()

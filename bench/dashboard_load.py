@@ -32,7 +32,6 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from rldiag.collectors import keys
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
 from bench._common import (
@@ -43,6 +42,7 @@ from bench._common import (
     write_result,
 )
 from bench._server import free_port
+from rldiag.collectors import keys
 from tests.browser import chromium, drawn_panels_js
 
 NAME = "dashboard_load"

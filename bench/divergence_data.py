@@ -8,6 +8,7 @@ the trend and differ in wander and noise, as real seed replicates do.
 from __future__ import annotations
 
 import numpy as np
+
 from rldiag.app.data.trace import Trace
 
 T, ONSET = 1000, 500  # steps per run; where a labelled change starts

@@ -20,10 +20,10 @@ import argparse
 import time
 
 import numpy as np
-from rldiag.app.analysis.divergence import detect_divergence
 
 from bench._common import env_info, summary_row, write_result
 from bench.divergence_data import ONSET, apply_change, refs, seed_run, trace
+from rldiag.app.analysis.divergence import detect_divergence
 
 KINDS = ("none", "level", "drift", "variance", "spike", "nan")
 EARLY_SLACK = 5  # an onset placed up to 5 steps before the change is the change (a fit's error), not an early alarm

@@ -9,7 +9,7 @@ numbers, NaN as NaN):
   numpy traces with inf restored and steps aligned;
 - MLflow: `MlflowClient.get_metric_history` per run per metric (what a user would write);
 - raw SQL (the floor): `pandas.read_sql` of the store's `metrics` table for those runs and keys.
-Then a warm reload: `load_histories(..., previous=h)` after 8 new steps were written to one run,
+Then a warm reload: `load_histories(open_store(...), previous=h)` after 8 new steps were written to one run,
 which fetches only the new rows. With `--server-runs N`, a local `mlflow server --workers 1` serves a
 copy of the same file and the first N runs are read three ways: rldiag over REST (parallel
 `get-history`), rldiag given the server's backend file (`--backend-store-uri`: histories read from
@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rldiag.collectors import keys
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
 from bench._common import (
@@ -43,6 +42,8 @@ from bench._common import (
     summary_row,
     write_result,
 )
+from rldiag.app.data.store import open_store
+from rldiag.collectors import keys
 
 NAME = "load_histories"
 GOAL = 1.3  # rldiag <= 1.3x the raw SQL read
@@ -92,7 +93,7 @@ def time_rldiag(uri: str, ids: list[str], metric_keys) -> tuple[float, object]:
     from rldiag.app.data.histories import load_histories
 
     t0 = time.perf_counter()
-    h = load_histories(uri, ids, metric_keys)
+    h = load_histories(open_store(uri), ids, metric_keys)
     return time.perf_counter() - t0, h
 
 
@@ -207,12 +208,13 @@ def time_server(path: Path, ids: list[str], metric_keys) -> dict:
 def _time_reads(uri: str, backend_uri: str, ids: list[str], metric_keys, what: str) -> dict:
     """rldiag over REST, rldiag given the backend store, and MlflowClient, one after the other."""
     from mlflow.tracking import MlflowClient
+
     from rldiag.app.data.histories import load_histories
     from rldiag.app.data.store import open_store
 
-    load_histories(uri, ids[:1], metric_keys[:1])  # first request: lazy imports server-side
+    load_histories(open_store(uri), ids[:1], metric_keys[:1])  # first request: lazy imports server-side
     t0 = time.perf_counter()
-    h = load_histories(uri, ids, metric_keys)
+    h = load_histories(open_store(uri), ids, metric_keys)
     rl = time.perf_counter() - t0
     t0 = time.perf_counter()
     hb = load_histories(open_store(uri, backend_store_uri=backend_uri), ids, metric_keys)
@@ -295,7 +297,7 @@ def time_postgres(path: Path, ids: list[str], metric_keys) -> dict:
 def load_histories_again(uri, ids, metric_keys, previous):
     from rldiag.app.data.histories import load_histories
 
-    return load_histories(uri, ids, metric_keys, previous=previous)
+    return load_histories(open_store(uri), ids, metric_keys, previous=previous)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ def _median_ms(fn, n: int = 15) -> float:
 def _components(model, ids, loss_of, mon, policy_metrics, lp_old, mask, rewards, uri: str, run_id: str) -> dict:
     """Each piece rldiag adds to a step, timed on its own (median ms), to say where the overhead goes."""
     import torch
+
     from rldiag.collectors.metrics import entropy_from_logits
     from rldiag.collectors.mlflow_store import make_sender
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.blocks, args.block_steps = 3, 5
 
     import torch
+
     from rldiag.collectors import MetricWriter, Monitor, policy_metrics
     from rldiag.collectors.mlflow_store import make_sender
     from rldiag.experiments.tiny_policy import PolicyConfig, TinyPolicy, token_logprobs

@@ -14,6 +14,7 @@ from pathlib import Path
 from rldiag.app.analysis.divergence import detect_divergence
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.runs import find_runs
+from rldiag.app.data.store import open_store
 from rldiag.app.plots.figures import ChartOptions, metric_figure, run_colors
 from rldiag.collectors import keys
 from rldiag.collectors.settings import default_tracking_uri
@@ -30,12 +31,12 @@ FIGURES = {  # file name: (rldiag.group, metrics, caption)
 
 def page(uri: str, group: str, metrics: list[str], caption: str) -> str:
     """An HTML page with one chart per metric, every run of `group` overlaid, references emphasised."""
-    runs = find_runs(uri, group=group)
+    runs = find_runs(open_store(uri), group=group)
     runs = runs.sort_values(["role", "name"], ascending=[False, True])  # references first
     ids = runs.run_id.tolist()
     refs = runs.run_id[runs.role == "reference"].tolist()
     labels = dict(zip(runs.run_id, runs.name))
-    h = load_histories(uri, ids, metrics)
+    h = load_histories(open_store(uri), ids, metrics)
     colors = run_colors(ids, refs)
     divs = []
     for i, key in enumerate(metrics):

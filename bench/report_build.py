@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rldiag.collectors import keys
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
 from bench._common import (
@@ -34,6 +33,7 @@ from bench._common import (
     summary_row,
     write_result,
 )
+from rldiag.collectors import keys
 
 NAME = "report_build"
 GOAL_S = 5.0

@@ -54,6 +54,7 @@ def _timed_loop(log, steps: int, gap_s: float, seed: int) -> list[float]:
 def bench_store(label: str, uri: str, db: Path, work: Path, *, sync_steps: int, async_steps: int, gap_s: float) -> dict:
     import mlflow
     from mlflow.tracking import MlflowClient
+
     from rldiag.collectors.mlflow_store import make_sender
     from rldiag.collectors.writer import MetricWriter
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+
 from rldiag.collectors import keys
 from rldiag.collectors.gradcheck import NonFinitePosition
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from rldiag.collectors.compat.torch import foreach_norm_f32, host_dtype, queue_backward_callback
+
 Tensor = torch.Tensor
 
 
@@ -32,7 +34,8 @@ def named_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Iterabl
 
 
 def grad_norm_stats(grads: list[Tensor]) -> Tensor:
-    """`[total_norm, norm_0, ..., norm_n-1]` as one float32 tensor on the first gradient's device.
+    """`[total_norm, norm_0, ..., norm_n-1]` as one tensor (`host_dtype`) on the first gradient's device;
+    each norm is taken in float32, whatever the gradients' dtype.
 
     A per-tensor norm is finite whenever every element is finite (a finite tensor whose squared sum
     overflows float32 also reads non-finite: the exact check in `nonfinite_names` settles it).
@@ -40,9 +43,10 @@ def grad_norm_stats(grads: list[Tensor]) -> Tensor:
     if not grads:
         return torch.zeros(1)
     device = grads[0].device
-    norms = torch._foreach_norm([g.detach() for g in grads], 2.0)
-    per = torch.stack([n.to(device, torch.float32) for n in norms])
-    return torch.cat([torch.linalg.vector_norm(per).reshape(1), per])
+    per = torch.stack([n.to(device) for n in foreach_norm_f32(grads)])
+    # the total in the host dtype: float32 norms of finite tensors can add up past float32's range
+    total = torch.linalg.vector_norm(per.to(host_dtype(device))).reshape(1)
+    return torch.cat([total, per.to(total.dtype)])
 
 
 def nonfinite_names(named: list[tuple[str, Tensor]], norms: list[float]) -> list[str]:
@@ -199,14 +203,14 @@ class AccumulatedGradCheck:
     def _on_accumulate(self, _param: Tensor) -> None:
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._measure)
+            queue_backward_callback(self._measure)
 
     def _measure(self) -> None:
         """End of a backward pass: the norms of every gradient present now."""
         self._queued = False
         seen = [i for i, p in enumerate(self._params) if p.grad is not None]
         grads = [self._params[i].grad.detach() for i in seen]
-        self._seen, self._norms = seen, _norms_f32(grads) if grads else []
+        self._seen, self._norms = seen, foreach_norm_f32(grads) if grads else []
 
     def nonfinite_flag(self, device: torch.device) -> Tensor:
         """A one-element tensor on `device`, 1.0 when a recorded norm is non-finite, else 0.0, built on
@@ -229,7 +233,7 @@ class AccumulatedGradCheck:
             self.reset()
             return None, []
         device = norms[0].device if seen else extra[0].device
-        dtype = torch.float32 if device.type == "mps" else torch.float64
+        dtype = host_dtype(device)
         parts = []
         if seen:
             parts.append(torch.stack([n.to(device) for n in norms]).to(dtype))
@@ -264,11 +268,3 @@ class AccumulatedGradCheck:
             h.remove()
         self._handles.clear()
         self.reset()
-
-
-def _norms_f32(grads: list[Tensor]) -> list[Tensor]:
-    """Float32 L2 norm of each tensor in one fused call (fp16 gradients would overflow in fp16)."""
-    try:
-        return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
-    except TypeError:  # older torch without the dtype argument
-        return [n.float() for n in torch._foreach_norm([g.float() for g in grads], 2.0)]

@@ -1,7 +1,7 @@
 """Canonical metric keys, run-metadata names and the alias table: defined once, used by both sides.
 
-The definitions are in DESIGN.md ("Canonical metrics"). `app/` imports these constants; nothing
-else spells a key as a string literal.
+The definitions are in DESIGN.md ("Canonical metrics"). `rldiag.app` imports these constants; nothing
+else spells a canonical key as a string literal. Keys that only an experiment logs live in that experiment.
 """
 
 from __future__ import annotations
@@ -37,15 +37,6 @@ LOSS = "loss"
 BATCH_TOKENS = "batch/valid_tokens"
 BATCH_SEQUENCES = "batch/sequences"
 BATCH_REWARDS = "batch/rewards"
-
-# --- the reproductions' own metrics (experiments/): not on the default panels, listed so that every
-# key rldiag writes is named here --------------------------------------------------------------------
-ENGINE_PREFIX_CACHE_HIT_RATE = "engine/prefix_cache_hit_rate"  # vLLM's prefix-cache hits over queries
-MISMATCH_OUTSIDE_TOP_P = "mismatch/outside_trainer_top_p"  # sampled tokens that the trainer's top-p drops
-DISTILL_LOSS_SUPPORT = "distill/loss_support"  # the top-1 support slot(s) of the distillation loss
-DISTILL_LOSS_TAIL = "distill/loss_tail"  # its tail-bucket slot; support + tail = loss
-DISTILL_TEACHER_NONFINITE = "distill/teacher_nonfinite"  # -inf teacher logprobs that reached the divergence math
-DISTILL_PADDING_TOKENS = "distill/padding_tokens"  # padded completion positions over the step's micro-batches
 
 CANONICAL_METRICS: tuple[str, ...] = (
     CLIP_RATE,

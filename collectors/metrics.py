@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
+
 from rldiag.collectors import keys
+from rldiag.collectors.compat.torch import host_dtype
 
 Tensor = torch.Tensor
 
@@ -240,7 +242,7 @@ def pack(values: Mapping[str, Tensor | float | int], *, device: torch.device | s
     if device is None:
         device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
     device = torch.device(device)
-    dtype = torch.float32 if device.type == "mps" else torch.float64
+    dtype = host_dtype(device)
     parts = []
     for k, v in values.items():
         if isinstance(v, torch.Tensor):

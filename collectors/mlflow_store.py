@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from rldiag.collectors.compat.mlflow import rest_host_creds, tracking_store
 from rldiag.collectors.journal import Point
 from rldiag.collectors.uri import is_http, probe_server, redact_uri
 
@@ -70,15 +71,15 @@ def make_sender(tracking_uri: str, *, request_timeout_s: float = 60.0):
     again and again.
     """
     from mlflow.entities import Metric, RunTag
-    from mlflow.store.tracking.rest_store import RestStore
 
     client = client_for(tracking_uri)
-    store = client._tracking_client.store
+    store = tracking_store(client)
+    creds = rest_host_creds(client)
 
     def entities(metrics: list[Point], tags: Mapping[str, str]):
         return [Metric(k, v, ts, st) for k, v, ts, st in metrics], [RunTag(k, v) for k, v in tags.items()]
 
-    if isinstance(store, RestStore):
+    if creds is not None:
         from mlflow.utils.rest_utils import http_request, verify_rest_response
 
         endpoint = "/api/2.0/mlflow/runs/log-batch"
@@ -86,7 +87,7 @@ def make_sender(tracking_uri: str, *, request_timeout_s: float = 60.0):
 
         def send(run_id: str, metrics: list[Point], tags: dict[str, str]) -> None:
             resp = http_request(
-                store.get_host_creds(), endpoint, "POST", max_retries=0, timeout=request_timeout_s,
+                creds, endpoint, "POST", max_retries=0, timeout=request_timeout_s,
                 data=log_batch_json(run_id, metrics, tags, key_json).encode(),
                 extra_headers={"Content-Type": "application/json"},
             )

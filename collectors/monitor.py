@@ -20,8 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
+
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
+from rldiag.collectors.compat.torch import host_dtype
 from rldiag.collectors.gradcheck import (
     GradReport,
     LogitsProbe,
@@ -32,7 +35,6 @@ from rldiag.collectors.gradcheck import (
 from rldiag.collectors.metrics import pack, to_host
 from rldiag.collectors.session import NonFiniteGradientError, RunSession
 from rldiag.collectors.writer import WriterStats
-from torch import nn
 
 log = logging.getLogger("rldiag")
 
@@ -95,8 +97,7 @@ class Monitor:
         values: dict[str, torch.Tensor | float] = dict(metrics or {})
         if loss is not None:
             values[keys.LOSS] = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        vec = torch.cat([norms.to(torch.float32 if norms.device.type == "mps" else torch.float64),
-                         pack(values, device=norms.device)])
+        vec = torch.cat([norms.to(host_dtype(norms.device)), pack(values, device=norms.device)])
         n = norms.numel()
         if not self.distributed:
             host = vec.tolist()  # the one host transfer

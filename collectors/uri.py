@@ -28,6 +28,9 @@ def redact_uri(uri: str) -> str:
     except ValueError:
         return uri
     netloc = p.netloc
+    if "@" not in netloc and not any(k.lower() in _SECRET_PARAMS for k, _ in
+                                     urllib.parse.parse_qsl(p.query, keep_blank_values=True)):
+        return uri  # nothing to hide (and urlunsplit would drop sqlite:////abs's empty host)
     if "@" in netloc:
         userinfo, host = netloc.rsplit("@", 1)
         user = userinfo.split(":", 1)[0]

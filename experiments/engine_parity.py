@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
+
 from rldiag.collectors import Monitor, keys, policy_metrics
 from rldiag.collectors.integrations.vllm import process_logits, rollout_from_outputs
 from rldiag.experiments.parity_engine import Engine, EngineConfig, config_params
@@ -45,15 +47,15 @@ from rldiag.experiments.tiny_hf_model import (
     build_tiny_qwen2,
     save_tiny_qwen2,
 )
-from tqdm.auto import tqdm
 
 GROUP = "v0_vs_v1"
 REFERENCE = "v0-parity"
 # Experiment-specific per-step values (not canonical metrics, so not in rldiag.collectors.keys).
 # prompt tokens served from the prefix cache / prompt tokens; includes the blocks that the `group`
 # samples of one prompt share within a step (same weights: harmless)
-KEY_PREFIX_HIT = keys.ENGINE_PREFIX_CACHE_HIT_RATE
-KEY_OUTSIDE_TOP_P = keys.MISMATCH_OUTSIDE_TOP_P
+# This experiment's own metrics (not canonical: rldiag.collectors.keys does not know them)
+KEY_PREFIX_HIT = "engine/prefix_cache_hit_rate"  # vLLM's prefix-cache hits over queries
+KEY_OUTSIDE_TOP_P = "mismatch/outside_trainer_top_p"  # sampled tokens that the trainer's top-p drops
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm.auto import tqdm
+
 from rldiag.collectors import Monitor, keys, policy_metrics
 from rldiag.experiments.tiny_policy import (
     PolicyConfig,
@@ -22,7 +24,6 @@ from rldiag.experiments.tiny_policy import (
     sample,
     token_logprobs,
 )
-from tqdm.auto import tqdm
 
 
 @dataclass

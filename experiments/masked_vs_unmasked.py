@@ -34,6 +34,8 @@ import argparse
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+from tqdm.auto import tqdm
+
 from rldiag.collectors import Monitor, entropy_from_logits, keys, reward_stats
 from rldiag.collectors.metrics import masked_mean
 from rldiag.experiments.distill_loss import (
@@ -43,7 +45,6 @@ from rldiag.experiments.distill_loss import (
 )
 from rldiag.experiments.summary import RunSummary, format_summaries
 from rldiag.experiments.tiny_policy import PolicyConfig, TinyPolicy, sample
-from tqdm.auto import tqdm
 
 GROUP = "masked_vs_unmasked"
 VARIANTS = ("masked", "unmasked")
@@ -52,10 +53,11 @@ PAD_ID = 0  # token id at padded completion positions
 DEFAULT_EXPERIMENT = "rldiag-masked-vs-unmasked"
 
 # This experiment's own metrics (the canonical ones come from rldiag.collectors.keys).
-LOSS_SUPPORT = keys.DISTILL_LOSS_SUPPORT
-LOSS_TAIL = keys.DISTILL_LOSS_TAIL
-TEACHER_NONFINITE = keys.DISTILL_TEACHER_NONFINITE
-PADDING_TOKENS = keys.DISTILL_PADDING_TOKENS
+# This experiment's own metrics (not canonical: rldiag.collectors.keys does not know them)
+LOSS_SUPPORT = "distill/loss_support"  # the top-1 support slot(s) of the distillation loss
+LOSS_TAIL = "distill/loss_tail"  # its tail-bucket slot; support + tail = loss
+TEACHER_NONFINITE = "distill/teacher_nonfinite"  # -inf teacher logprobs that reached the divergence math
+PADDING_TOKENS = "distill/padding_tokens"  # padded completion positions over the step's micro-batches
 
 
 @dataclass(frozen=True)

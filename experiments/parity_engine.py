@@ -65,8 +65,9 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, *, max_model_len: int):
         set_engine_env()
-        from rldiag.collectors.integrations.vllm import engine_fingerprint
         from vllm import LLM
+
+        from rldiag.collectors.integrations.vllm import engine_fingerprint
 
         self.cfg = cfg
         self.requested = engine_kwargs(model_dir, cfg, max_model_len=max_model_len)

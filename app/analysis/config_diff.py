@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import pandas as pd
-from rldiag.app.data.store import Store, open_store
+
+from rldiag.app.data.store import Store, require_store
 
 PARITY_KNOBS: tuple[str, ...] = (
     "engine.logprobs_mode",
@@ -37,11 +38,11 @@ class RunConfig(NamedTuple):
     tags: dict[str, str]
 
 
-def load_configs(store: Store | str | None, run_ids: Sequence[str]) -> dict[str, RunConfig]:
+def load_configs(store: Store, run_ids: Sequence[str]) -> dict[str, RunConfig]:
     """`{run_id: RunConfig}` in `run_ids` order; RunNotFound names ids the store does not hold."""
     from rldiag.app.data.runs import get_runs
 
-    store = store if isinstance(store, Store) else open_store(store)
+    require_store(store)
     return {r.info.run_id: RunConfig(dict(r.data.params), dict(r.data.tags)) for r in get_runs(store, run_ids)}
 
 

@@ -24,14 +24,17 @@ metric scale; this band test is a few vectorised rolling medians.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+
 from rldiag.app.data.align import align_by_step
 from rldiag.app.data.trace import Trace
 
@@ -259,16 +262,44 @@ def _refine_onset(dev: np.ndarray, i: int, window: int) -> int:
     return lo + int(idx[1:][np.argmax(score)])
 
 
-def divergence_table(histories: Histories, reference_ids: Sequence[str], candidate_id: str,
-                     keys: Sequence[str] | None = None, config: DivergenceConfig = DivergenceConfig()) -> pd.DataFrame:
-    """One row per metric that both sides logged: `detect_divergence` of the candidate vs the references."""
-    keys = keys if keys is not None else histories.keys
-    rows = []
+DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
+                      "first_nonfinite_step", "steps_compared"]
+
+
+def compare_runs(histories: Histories, reference_ids: Sequence[str], candidate_ids: Sequence[str],
+                 keys: Sequence[str] | None = None, config: DivergenceConfig = DivergenceConfig()
+                 ) -> dict[str, dict[str, Divergence]]:
+    """`{key: {candidate: Divergence}}`: every candidate against the references' band, per metric.
+
+    The one candidate x metric loop of the dashboard, the report and the watcher. A metric is compared
+    where at least one reference and the candidate logged points of it; `keys` default to every metric
+    the histories hold."""
+    keys = list(keys) if keys is not None else list(histories.keys)
+    pairs, bands = [], {}
     for key in keys:
-        refs = [t for r, t in histories.for_key(key, reference_ids).items()]
-        cand = histories.get(candidate_id, key)
-        if refs and cand is not None and len(cand):
-            d = detect_divergence(refs, cand, config)
-            rows.append({"key": key, **{f: getattr(d, f) for f in d.__dataclass_fields__ if f != "key"}})
-    cols = ["key", "onset_step", "kind", "end_step", "delta", "delta_sigma", "first_nonfinite_step", "steps_compared"]
-    return pd.DataFrame(rows, columns=cols)
+        refs = [t for t in histories.for_key(key, reference_ids).values() if len(t)]
+        if not refs:
+            continue
+        bands[key] = refs
+        pairs += [(cand, key) for cand in candidate_ids
+                  if (t := histories.get(cand, key)) is not None and len(t)]
+
+    def detect(pair: tuple[str, str]) -> Divergence:
+        cand, key = pair
+        return detect_divergence(bands[key], histories.get(cand, key), config)
+
+    # Threads: most of the time is in pandas' rolling medians and numpy's partitions, which release the GIL.
+    workers = max(1, min(8, os.cpu_count() or 1, len(pairs)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rldiag-divergence") as pool:
+        found = list(pool.map(detect, pairs))
+    out: dict[str, dict[str, Divergence]] = {}
+    for (cand, key), d in zip(pairs, found):
+        out.setdefault(key, {})[cand] = d
+    return out
+
+
+def divergence_frame(divergences: dict[str, dict[str, Divergence]]) -> pd.DataFrame:
+    """`compare_runs`' result as one row per (candidate, metric), columns DIVERGENCE_COLUMNS (None stays None)."""
+    rows = [{"run_id": cand, **{f: getattr(d, f) for f in DIVERGENCE_COLUMNS[1:]}}
+            for key, by_cand in divergences.items() for cand, d in by_cand.items()]
+    return pd.DataFrame(rows, columns=DIVERGENCE_COLUMNS, dtype=object)

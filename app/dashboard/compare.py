@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pandas as pd
 import streamlit as st
+
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
 from rldiag.app.dashboard.selection import (

@@ -4,6 +4,7 @@ engine-parity knobs and the batch/accumulation settings leading (`rldiag.app.ana
 from __future__ import annotations
 
 import streamlit as st
+
 from rldiag.app.dashboard import data
 from rldiag.app.dashboard.selection import current, needs_runs
 

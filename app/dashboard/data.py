@@ -17,13 +17,10 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.io
 import streamlit as st
+
 from rldiag.app.analysis.config_diff import RunConfig, config_diff, load_configs
-from rldiag.app.analysis.divergence import (
-    Divergence,
-    DivergenceConfig,
-    detect_divergence,
-)
-from rldiag.app.analysis.nan_events import load_alert_events
+from rldiag.app.analysis.divergence import Divergence, DivergenceConfig, compare_runs
+from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, load_histories
 from rldiag.app.data.runs import find_runs
 from rldiag.app.data.store import Store, open_store
@@ -145,17 +142,7 @@ def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, l
 def divergences(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
                 metric_keys: tuple[str, ...]) -> dict[str, dict[str, Divergence]]:
     """`{key: {candidate: Divergence}}` against the references (several form a band); keyed on `stamp`."""
-    out: dict[str, dict[str, Divergence]] = {}
-    config = DivergenceConfig()
-    for key in metric_keys:
-        refs = [t for t in _h.for_key(key, reference_ids).values() if len(t)]
-        if not refs:
-            continue
-        for cand in candidate_ids:
-            t = _h.get(cand, key)
-            if t is not None and len(t):
-                out.setdefault(key, {})[cand] = detect_divergence(refs, t, config)
-    return out
+    return compare_runs(_h, reference_ids, candidate_ids, metric_keys, DivergenceConfig())
 
 
 @st.cache_data(ttl=3600, max_entries=256, show_spinner=False)

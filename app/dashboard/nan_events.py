@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
+
 from rldiag.app.analysis.nan_events import nan_events
 from rldiag.app.dashboard import data
 from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
+
 from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs
 from rldiag.app.data.runs import runs_with_metrics
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 import streamlit as st
+
 from rldiag.app.dashboard import RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI, data
+from rldiag.app.data.runs import run_labels
 from rldiag.app.errors import NoRunsFound
 
 ALL_RUNS = "(all runs)"
@@ -50,13 +52,6 @@ def escape_md(text: str) -> str:
     """Run data as literal text inside Streamlit markdown (no HTML, no formatting, no links)."""
     text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return re.sub(r"([\\`*_{}\[\]()#+\-.!|~$:])", r"\\\1", text)
-
-
-def run_labels(runs: pd.DataFrame) -> dict[str, str]:
-    """Run name per id; a name used twice (or empty) gets the id's first 8 characters added."""
-    counts = runs["name"].value_counts()
-    return {r.run_id: (r.name if r.name and counts[r.name] == 1 else f"{r.name or 'run'} ({r.run_id[:8]})")
-            for r in runs.itertuples()}
 
 
 def default_group(runs: pd.DataFrame) -> str:
@@ -139,7 +134,7 @@ def render_sidebar() -> Selection:
         runs = data.runs(uri, experiment)
     except NoRunsFound:
         return sel
-    labels = run_labels(runs)
+    labels = run_labels(dict(zip(runs["run_id"], runs["name"])))
     refs, cands = _pick_runs(uri, experiment, runs, labels)
     if st.sidebar.button("Reload from the store", key="sidebar.reload", help="Clear cached queries"):
         data.clear_caches()

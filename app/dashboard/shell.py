@@ -5,6 +5,7 @@ Read-only: nothing here writes to a run."""
 from __future__ import annotations
 
 import streamlit as st
+
 from rldiag.app.dashboard import compare, config_diff, nan_events, overview
 from rldiag.app.dashboard.selection import escape_md, render_sidebar
 from rldiag.app.errors import DataError

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 import numpy as np
+
 from rldiag.app.data.trace import Trace
 
 

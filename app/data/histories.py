@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
 from rldiag.app.data import readers
 from rldiag.app.data.readers import Latest, Pair
-from rldiag.app.data.store import Store, open_store
+from rldiag.app.data.store import Store, require_store
 from rldiag.app.data.trace import RawSeries, Trace, build_trace
 from rldiag.app.errors import RunNotFound
 from rldiag.collectors.keys import ALIASES, INF_FLAG_PREFIX, canonical_key, inf_flag_key
@@ -118,7 +119,7 @@ def pick_method(store: Store, method: Method = "auto") -> str:
 
 
 def load_histories(
-    store: Store | str | None,
+    store: Store,
     run_ids: Sequence[str],
     keys: Iterable[str] | None = None,
     *,
@@ -134,7 +135,7 @@ def load_histories(
     ask only for rows past those already loaded, the client path reloads those keys. (Off SQLite, a point written with an older
     step and timestamp than a key's latest shows up only on a reload without `previous`.)
     """
-    store = store if isinstance(store, Store) else open_store(store)
+    require_store(store)
     how = pick_method(store, method)
     run_ids = tuple(dict.fromkeys(run_ids))
     wanted = None if keys is None else logged_keys_for(keys)

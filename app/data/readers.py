@@ -26,9 +26,11 @@ from contextlib import closing
 from typing import NamedTuple
 
 import numpy as np
-from rldiag.app.data.store import Store
+
+from rldiag.app.data.store import Store, connect_postgres
 from rldiag.app.data.trace import RawSeries
 from rldiag.app.errors import StoreUnreachable
+from rldiag.collectors.compat.mlflow import rest_host_creds
 
 Pair = tuple[str, str]  # (run_id, key as logged)
 
@@ -200,15 +202,6 @@ def _keys_after(con, run_ids: Sequence[str], after_rowid: int, upto: int) -> set
 
 
 # ---- a server's PostgreSQL backend --------------------------------------------------------------
-def connect_postgres(dsn: str, timeout_s: float = 10.0):
-    """A read-only psycopg2 connection (every transaction READ ONLY, autocommit: no locks held)."""
-    import psycopg2
-
-    con = psycopg2.connect(dsn, connect_timeout=max(1, int(timeout_s)), application_name="rldiag")
-    con.set_session(readonly=True, autocommit=True)
-    return con
-
-
 _PG_COLUMNS = "run_uuid, key, CAST(is_nan AS int), step, timestamp, value"
 
 
@@ -292,7 +285,7 @@ def read_rest(store: Store, pairs: Iterable[tuple[str, str, int]], *, max_worker
     are skipped (the server orders a history by timestamp, step, value, so new rows come last)."""
     from mlflow.utils.rest_utils import http_request, verify_rest_response
 
-    creds = store.client._tracking_client.store.get_host_creds()  # the client's auth, not our own
+    creds = rest_host_creds(store.client)  # the client's auth, not our own
     bulk_ok = [True]  # False once the server has no bulk endpoint
 
     def get(endpoint: str, params: dict) -> list[dict]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pandas as pd
-from rldiag.app.data.store import Store, open_store
+
+from rldiag.app.data.store import Store, require_store
 from rldiag.app.errors import (
     DataError,
     ExperimentNotFound,
@@ -50,7 +52,7 @@ def _filter_string(tag_filters: dict[str, list[str] | None]) -> str:
 
 
 def find_runs(
-    store: Store | str | None = None,
+    store: Store,
     *,
     experiments: str | Sequence[str] | None = None,
     group: TagFilter = None,
@@ -66,11 +68,11 @@ def find_runs(
     highest step of any metric. Raises ExperimentNotFound, RunNotFound, NoRunsFound (messages name
     the value and what is there instead) and StoreUnreachable.
     """
-    store = store if isinstance(store, Store) else open_store(store)
+    require_store(store)
     client = store.client
     tag_filters = {keys.TAG_GROUP: _as_list(group), keys.TAG_VARIANT: _as_list(variant), keys.TAG_ROLE: _as_list(role)}
     try:
-        exp_names = {e.experiment_id: e.name for e in _pages(client.search_experiments, 100_000)}
+        exp_names = {e.experiment_id: e.name for e in pages(client.search_experiments, 100_000)}
         wanted_exps = _as_list(experiments)
         if wanted_exps is not None:
             missing = [n for n in wanted_exps if n not in exp_names.values()]
@@ -88,7 +90,7 @@ def find_runs(
             exp_ids = [i for i, n in exp_names.items() if wanted_exps is None or n in wanted_exps]
             search = partial(client.search_runs, exp_ids, filter_string=_filter_string(tag_filters),
                              order_by=["attributes.start_time DESC"])
-            runs = _pages(search, max_runs) if exp_ids else []
+            runs = pages(search, max_runs) if exp_ids else []
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - MLflow and connection errors come in many types
@@ -108,17 +110,26 @@ def find_runs(
     return df
 
 
-def _pages(call, limit: int) -> list:
-    """Every item of a paged MLflow search, up to `limit`."""
+def pages(call, limit: int | None = None, **kwargs) -> list:
+    """Every item of a paged MLflow search (`client.search_runs`, `search_experiments`, ...), up to `limit`."""
     out: list = []
     token = None
-    while len(out) < limit:
-        page = call(max_results=min(1000, limit - len(out)), page_token=token)
+    while limit is None or len(out) < limit:
+        size = 1000 if limit is None else min(1000, limit - len(out))
+        page = call(**kwargs, max_results=size, page_token=token)
         out.extend(page)
         token = page.token
         if not token:
             break
     return out
+
+
+def run_labels(names: Mapping[str, str | None]) -> dict[str, str]:
+    """A label per run id from `{run_id: run name}`: the name, or where it is empty or used twice, the
+    name with the id's first 8 characters ("v1-defaults (3fa2b1c0)"), so every label is unique."""
+    counts = Counter(n or "" for n in names.values())
+    return {rid: (name if name and counts[name] == 1 else f"{name or 'run'} ({rid[:8]})")
+            for rid, name in names.items()}
 
 
 def get_runs(store: Store, run_ids: Sequence[str]) -> list:

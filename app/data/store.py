@@ -67,6 +67,13 @@ class Store:
             con.close()
 
 
+def require_store(store: object) -> None:
+    """TypeError, naming the fix, when a read function is given a URI instead of an opened `Store`."""
+    if not isinstance(store, Store):
+        raise TypeError(f"expected a Store from rldiag.app.open_store(uri), got {type(store).__name__} "
+                        f"{redact_uri(str(store))!r}: open the store once, store = open_store(uri), and pass it")
+
+
 def sqlite_path_of(uri: str) -> Path | None:
     """The file of a `sqlite:///path` URI (relative to the working directory), else None."""
     if not uri.startswith("sqlite:///"):
@@ -112,6 +119,15 @@ def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0,
     return Store(uri, "other")
 
 
+def connect_postgres(dsn: str, timeout_s: float = 10.0):
+    """A read-only psycopg2 connection (every transaction READ ONLY, autocommit: no locks held)."""
+    import psycopg2
+
+    con = psycopg2.connect(dsn, connect_timeout=max(1, int(timeout_s)), application_name="rldiag")
+    con.set_session(readonly=True, autocommit=True)
+    return con
+
+
 def postgres_dsn_of(uri: str) -> str:
     """libpq's URI for an SQLAlchemy one: `postgresql+psycopg2://...` -> `postgresql://...`."""
     scheme, sep, rest = uri.partition("://")
@@ -120,8 +136,6 @@ def postgres_dsn_of(uri: str) -> str:
 
 def _check_postgres(uri: str, timeout_s: float) -> str:
     """The libpq URI of an MLflow PostgreSQL backend, checked by opening a read-only connection."""
-    from rldiag.app.data.readers import connect_postgres
-
     dsn = postgres_dsn_of(uri)
     shown = uri.split("@", 1)[-1]  # never echo the password
     try:
@@ -176,6 +190,7 @@ def store_errors() -> tuple[type[BaseException], ...]:
     """What an unreachable or failing store raises through MLflow, requests, sqlite3 and our readers."""
     import requests
     from mlflow.exceptions import MlflowException
+
     from rldiag.app.errors import DataError
 
     return (DataError, MlflowException, OSError, sqlite3.Error, requests.exceptions.RequestException)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
 from rldiag.app.data.nonfinite import NonFinite, nonfinite_steps, restore_infinities
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+
 from rldiag.app.data.trace import Trace
 
 DEFAULT_POINTS = 2000  # per trace: a 1000-pixel chart shows every bucket's min and max

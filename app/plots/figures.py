@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import plotly.graph_objects as go
+
 from rldiag.app.analysis.divergence import Divergence
 from rldiag.app.data.align import align_by_step
 from rldiag.app.data.trace import Trace
 from rldiag.app.plots.decimate import DEFAULT_POINTS, decimate
+from rldiag.app.plots.plotly_compat import figure_from_dicts
 
 # Okabe-Ito, then Tableau: distinguishable for colour-blind readers; the reference always takes black.
 REFERENCE_COLOR = "#111111"
@@ -188,9 +190,9 @@ def metric_figure(
     )
     if shapes:
         layout["shapes"] = shapes
-    # Built from plain dicts in one go without plotly's per-property validation (10-40x faster; the
-    # same JSON, pinned by tests/app/test_figures.py against plotly's validated figure).
-    return go.Figure(data=data, layout=layout, _validate=False)
+    # Built from plain dicts in one go without plotly's per-property validation (the same JSON, pinned
+    # by tests/app/plots/test_figures.py against plotly's validated figure).
+    return figure_from_dicts(data, layout)
 
 
 def _compact(values: np.ndarray) -> np.ndarray:

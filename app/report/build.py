@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rldiag.app.analysis.divergence import DivergenceConfig
 from rldiag.app.data.histories import Histories
-from rldiag.app.data.store import Store, open_store
+from rldiag.app.data.store import Store, open_store, require_store
 from rldiag.app.plots.figures import ChartOptions
 from rldiag.app.report.content import ReportContent, default_keys, report_content
 from rldiag.app.report.html import render_html
@@ -82,13 +82,13 @@ class Report:
         return out
 
 
-def render_report(histories: Histories, store: Store | str | None, reference_ids: Sequence[str],
+def render_report(histories: Histories, store: Store, reference_ids: Sequence[str],
                   candidate_ids: Sequence[str], *, keys: Sequence[str] | None = None,
                   options: ChartOptions | None = None) -> Report:
     """The report for runs whose metrics are already in `histories`; `store` gives their names, params,
     tags and alert files. `keys`: the metrics to chart and compare (default: the canonical ones any of
     the runs logged). ValueError names ids that are missing, empty or in both roles."""
-    store = store if isinstance(store, Store) else open_store(store)
+    require_store(store)
     content = report_content(histories, store, reference_ids, candidate_ids, keys=keys, options=options,
                              divergence_config=DivergenceConfig())
     return Report(render_html(content), render_markdown(content), content)

@@ -8,29 +8,26 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+
 from rldiag.app.analysis.config_diff import RunConfig, config_diff
 from rldiag.app.analysis.divergence import (
-    Divergence,
     DivergenceConfig,
-    detect_divergence,
+    compare_runs,
+    divergence_frame,
 )
-from rldiag.app.analysis.nan_events import load_alert_events, nan_events
+from rldiag.app.analysis.nan_events import nan_events
+from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, nonfinite_table
 from rldiag.app.data.store import Store
 from rldiag.app.plots.figures import ChartOptions, metric_figure, run_colors
 from rldiag.collectors import keys as K
 from rldiag.collectors.uri import redact_uri
-
-DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
-                      "first_nonfinite_step", "steps_compared"]
 
 
 @dataclass(frozen=True)
@@ -96,22 +93,12 @@ def check_ids(histories: Histories, reference_ids: Sequence[str], candidate_ids:
                          "load them with rldiag.app.data.histories.load_histories first")
 
 
-def _labels(runs: Sequence) -> dict[str, str]:
-    names = [r.info.run_name or "" for r in runs]
-    out = {}
-    for r, name in zip(runs, names):
-        rid = r.info.run_id
-        out[rid] = name if name and names.count(name) == 1 else f"{name or 'run'} ({rid[:8]})"
-    return out
-
-
-
 def report_content(histories: Histories, store: Store, reference_ids: Sequence[str], candidate_ids: Sequence[str],
                    *, keys: Sequence[str] | None = None, options: ChartOptions | None = None,
                    divergence_config: DivergenceConfig = DivergenceConfig()) -> ReportContent:
     """Everything the report shows; see the module docstring. Reads run names, params, tags and alert
     files from `store` (the metrics come from `histories`)."""
-    from rldiag.app.data.runs import get_runs
+    from rldiag.app.data.runs import get_runs, run_labels
 
     refs, cands = list(dict.fromkeys(reference_ids)), list(dict.fromkeys(candidate_ids))
     check_ids(histories, refs, cands)
@@ -120,7 +107,7 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     options = options or ChartOptions()
 
     runs = get_runs(store, ids)
-    labels = _labels(runs)
+    labels = run_labels({r.info.run_id: r.info.run_name for r in runs})
     colors = run_colors(ids, refs)
     tags = {r.info.run_id: dict(r.data.tags) for r in runs}
     infos = tuple(RunInfo(r.info.run_id, r.info.run_name or "", labels[r.info.run_id],
@@ -128,26 +115,11 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
                           tags[r.info.run_id].get(K.TAG_VARIANT), tags[r.info.run_id].get(K.TAG_SEED),
                           tags[r.info.run_id].get(K.TAG_GROUP), r.info.status) for r in runs)
 
-    pairs = [(cand, key) for cand in cands for key in keys
-             if histories.for_key(key, refs) and histories.get(cand, key) is not None and len(histories.get(cand, key))]
-
-    def detect(pair: tuple[str, str]) -> Divergence:
-        cand, key = pair
-        return detect_divergence(list(histories.for_key(key, refs).values()), histories.get(cand, key),
-                                 divergence_config)
-
-    # Threads: most of the time is in pandas' rolling medians and numpy's partitions, which release the GIL.
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="rldiag-report") as pool:
-        found = list(pool.map(detect, pairs))
-    divergences: dict[str, dict[str, Divergence]] = {k: {} for k in keys}
-    rows = []
-    for (cand, key), d in zip(pairs, found):
-        divergences[key][cand] = d
-        rows.append({"run_id": cand, **{f: getattr(d, f) for f in DIVERGENCE_COLUMNS[1:]}})
-    divergence = pd.DataFrame(rows, columns=DIVERGENCE_COLUMNS, dtype=object)  # object: None stays None
+    divergences = compare_runs(histories, refs, cands, keys, divergence_config)
+    divergence = divergence_frame(divergences)
 
     figures = {key: metric_figure(key, histories.for_key(key, ids), labels=labels, reference_ids=refs,
-                                  colors=colors, divergences=divergences[key], options=options) for key in keys}
+                                  colors=colors, divergences=divergences.get(key, {}), options=options) for key in keys}
 
     alerts = load_alert_events(store, ids, tags=tags)
     events = nan_events(histories, store, ids, alerts=alerts)
@@ -183,22 +155,6 @@ def fmt(v, digits: int = 4) -> str:
 def fmt_value(v) -> str:
     """A config value: "(missing)" where the run does not have it."""
     return "(missing)" if v is None else str(v)
-
-
-def step_ranges(steps: Sequence[int], limit: int = 25) -> str:
-    """Steps as ranges, "3, 50-52, 90", at most `limit` ranges then "... (N more steps)"."""
-    steps = sorted({int(s) for s in steps})
-    ranges: list[list[int]] = []
-    for s in steps:
-        if ranges and ranges[-1][1] == s - 1:
-            ranges[-1][1] = s
-        else:
-            ranges.append([s, s])
-    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges[:limit]]
-    if len(ranges) > limit:
-        rest = sum(b - a + 1 for a, b in ranges[limit:])
-        parts.append(f"... ({rest} more steps)")
-    return ", ".join(parts)
 
 
 def divergence_sentence(row: dict, label: str) -> str:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import html
 from functools import cache
 
+from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import (
     ReportContent,
     divergence_sentence,
     first_departures,
     fmt,
     fmt_value,
-    step_ranges,
 )
 
 MAX_EVENT_ROWS = 2000  # the NaN-events table; the charts keep every non-finite step regardless
@@ -124,7 +124,7 @@ def _nonfinite(c: ReportContent) -> str:
         return "<p>Every charted metric is finite at every logged step.</p>"
     labels = c.labels
     rows = [([e(labels[r["run_id"]]), e(r["key"]), str(r["nan"]), str(r["posinf"]), str(r["neginf"]),
-              e(step_ranges(r["steps"], limit=40))], "") for r in c.nonfinite.to_dict("records")]
+              e(format_ranges(r["steps"], limit=40))], "") for r in c.nonfinite.to_dict("records")]
     return _table(["run", "metric", "NaN", "+inf", "-inf", "at steps"], rows, {2, 3, 4})
 
 

@@ -7,13 +7,13 @@ table cell, open a link or inject HTML. Long tables are cut at `MAX_ROWS`; the H
 
 from __future__ import annotations
 
+from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import (
     ReportContent,
     divergence_sentence,
     first_departures,
     fmt,
     fmt_value,
-    step_ranges,
 )
 
 MAX_ROWS = 60  # per table: a PR comment holds 65,536 characters
@@ -76,7 +76,7 @@ def render_markdown(c: ReportContent) -> str:
                 continue
             first = e.iloc[0]
             params = sorted({p for ps in e["params"] for p in ps.split(", ") if p})
-            rows.append([md(labels[run]), str(len(e)), md(step_ranges(e["step"])), fmt(first["grad_norm"]),
+            rows.append([md(labels[run]), str(len(e)), md(format_ranges(e["step"])), fmt(first["grad_norm"]),
                          md(", ".join(params[:8]) + (f" (+{len(params) - 8} more)" if len(params) > 8 else "")),
                          md(first["positions"]) or "-"])
         out += _table(["run", "steps", "at steps", "grad norm at the first", "parameters named", "first positions"],
@@ -88,7 +88,7 @@ def render_markdown(c: ReportContent) -> str:
         out += ["### Non-finite metric values", ""]
         out += _table(["run", "metric", "NaN", "+inf", "-inf", "at steps"],
                       [[md(labels[r["run_id"]]), md(r["key"]), str(r["nan"]), str(r["posinf"]), str(r["neginf"]),
-                        md(step_ranges(r["steps"], limit=12))] for r in nf.to_dict("records")], "llrrrl")
+                        md(format_ranges(r["steps"], limit=12))] for r in nf.to_dict("records")], "llrrrl")
         out.append("")
 
     out += ["### Config differences", ""]

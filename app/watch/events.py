@@ -12,9 +12,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-from rldiag.app.data.histories import Histories
-from rldiag.collectors import keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
 
 SOURCE = "watch"
@@ -23,39 +20,6 @@ SOURCE = "watch"
 def _num(v: float) -> float | str:
     """JSON-safe number, as the collectors' events spell it: NaN/inf become strings."""
     return v if math.isfinite(v) else str(v)
-
-
-@dataclass(frozen=True)
-class BadStep:
-    """One non-finite step of a run: the grad norm there (NaN if none was logged) and what flagged it."""
-
-    step: int
-    grad_norm: float
-    values: dict[str, float]  # key as logged -> its value at this step
-
-
-def bad_steps(h: Histories, run_id: str) -> list[BadStep]:
-    """Steps of `run_id` in `h` where `grad/finite` is 0 (or NaN) or the grad norm is NaN/+-inf."""
-    found: dict[int, dict[str, float]] = {}
-    norm = h.get(run_id, keys.GRAD_NORM)
-    if norm is not None:
-        bad = ~np.isfinite(norm.values)
-        for s, v in zip(norm.steps[bad].tolist(), norm.values[bad].tolist()):
-            found.setdefault(s, {})[norm.source_key] = v
-    flag = h.get(run_id, keys.GRAD_FINITE)
-    if flag is not None:
-        bad = (flag.values == 0.0) | np.isnan(flag.values)
-        for s, v in zip(flag.steps[bad].tolist(), flag.values[bad].tolist()):
-            found.setdefault(s, {})[flag.source_key] = v
-    out = []
-    for s in sorted(found):
-        gn = math.nan
-        if norm is not None:
-            i = int(np.searchsorted(norm.steps, s))
-            if i < len(norm.steps) and norm.steps[i] == s:
-                gn = float(norm.values[i])
-        out.append(BadStep(s, gn, found[s]))
-    return out
 
 
 @dataclass

@@ -29,9 +29,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from rldiag.app.analysis.nan_events import bad_steps
 from rldiag.app.data.histories import Histories, load_histories
+from rldiag.app.data.runs import pages
 from rldiag.app.data.store import Store, store_errors
-from rldiag.app.watch.events import WatchAlert, bad_steps, divergence_event
+from rldiag.app.watch.events import WatchAlert, divergence_event
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import (
@@ -114,23 +117,10 @@ class Watcher:
         return [exps[n] for n in dict.fromkeys(names)]
 
     def _experiments(self) -> list:
-        out, token = [], None
-        while True:
-            page = self.store.client.search_experiments(max_results=1000, page_token=token)
-            out.extend(page)
-            token = page.token
-            if not token:
-                return out
+        return pages(self.store.client.search_experiments)
 
     def _search(self, exp_ids: list[str], filter_string: str) -> list:
-        out, token = [], None
-        while True:
-            page = self.store.client.search_runs(exp_ids, filter_string=filter_string, max_results=1000,
-                                                 page_token=token)
-            out.extend(page)
-            token = page.token
-            if not token:
-                return out
+        return pages(self.store.client.search_runs, experiment_ids=exp_ids, filter_string=filter_string)
 
     def runs_to_read(self, since_ms: int) -> tuple[list, dict[str, str]]:
         """Active (RUNNING) runs, plus runs that ended at or after `since_ms`; and experiment names by id."""
@@ -200,7 +190,7 @@ class Watcher:
         self.store.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def _check_divergence(self, runs: list) -> int:
-        from rldiag.app.analysis.divergence import divergence_table
+        from rldiag.app.analysis.divergence import compare_runs, divergence_frame
 
         cands = [r for r in runs if r.data.tags.get(keys.TAG_ROLE) == "candidate" and r.data.tags.get(keys.TAG_GROUP)]
         if not cands:
@@ -220,7 +210,7 @@ class Watcher:
             g, run_id, name = r.data.tags[keys.TAG_GROUP], r.info.run_id, r.info.run_name or ""
             if not refs.get(g):
                 continue
-            table = divergence_table(self._div_h, refs[g], run_id)
+            table = divergence_frame(compare_runs(self._div_h, refs[g], [run_id]))
             rs = None
             for row in table[table["onset_step"].notna()].to_dict("records"):
                 rs = rs or self.state.run(run_id, name)

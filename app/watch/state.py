@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,17 +28,6 @@ DEFAULT_STATE = ".rldiag/watch-state.json"
 
 class StateError(ValueError):
     """The state file cannot be used; the message names the file and the fix."""
-
-
-def steps_to_ranges(steps: Iterable[int]) -> list[list[int]]:
-    """Sorted unique steps as closed ranges: [1, 2, 3, 7] -> [[1, 3], [7, 7]]."""
-    out: list[list[int]] = []
-    for s in sorted(set(int(s) for s in steps)):
-        if out and s == out[-1][1] + 1:
-            out[-1][1] = s
-        else:
-            out.append([s, s])
-    return out
 
 
 def in_ranges(steps: np.ndarray, ranges: list[list[int]]) -> np.ndarray:

@@ -11,8 +11,8 @@ Each optimizer step (the logic lives in the core: `AccumulatedGradCheck`, `RunSe
   (clipping a NaN total norm makes every gradient NaN), and judged in `on_pre_optimizer_step` with one
   host transfer: the same alert and warn/skip/raise policy as `Monitor`;
 - `skip` zeroes the gradients and turns the coming `optimizer.step()` into a no-op for that one call
-  (transformers 5.19 calls `self.optimizer.step()` right after `on_pre_optimizer_step` and has no
-  flag to skip it). The step still counts: `global_step` and the LR schedule advance;
+  (transformers 5.2 to 5.24 call `self.optimizer.step()` right after `on_pre_optimizer_step` and have
+  no flag to skip it). The step still counts: `global_step` and the LR schedule advance;
 - `grad/norm` (pre-clip), `grad/finite`, `grad/nonfinite_params` are logged every step, and once
   `attach`ed the real loss as `loss`: the sum of what `training_step` returned over the step's
   micro-batches, i.e. what `Trainer` would log with `logging_steps=1` were it not for
@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
 from rldiag.collectors.gradcheck import AccumulatedGradCheck, GradReport, LogitsProbe
@@ -272,6 +273,7 @@ class RldiagCallback(TrainerCallback):
             self._owns_session = True
             return
         from mlflow.entities import Param
+
         from rldiag.collectors.mlflow_store import flatten_params
 
         items = [Param(k, v) for k, v in flatten_params({PARAM_PREFIX: params}).items()]

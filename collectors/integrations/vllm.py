@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from rldiag.collectors.import_utils import require
 
 Tensor = torch.Tensor

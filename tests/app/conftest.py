@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
+
 from rldiag.collectors.mlflow_store import make_sender, open_run
 from rldiag.collectors.writer import MetricWriter
 

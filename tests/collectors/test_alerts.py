@@ -8,6 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from rldiag.collectors import (
     AlertDispatcher,
     JsonlSink,
@@ -15,7 +16,6 @@ from rldiag.collectors import (
     NonFiniteGradAlert,
     WebhookSink,
 )
-
 from tests.conftest import free_port
 
 NAN = float("nan")

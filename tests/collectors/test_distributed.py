@@ -18,8 +18,8 @@ NAN_STEP = 2
 def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
-    from rldiag.collectors import Monitor
 
+    from rldiag.collectors import Monitor
     from tests.gloo_job import gloo_step
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"

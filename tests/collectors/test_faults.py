@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow import MlflowClient
+
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.runs import find_runs
+from rldiag.app.data.store import open_store
 from rldiag.app.errors import ExperimentNotFound, NoRunsFound
 from rldiag.collectors import Monitor
 from rldiag.collectors.journal import journal_path
@@ -57,7 +59,7 @@ def test_steps_out_of_order_and_repeated_read_back_once_per_step(sqlite_uri):
         w.log_metrics({"loss": value}, step, timestamp_ms=ts)
     assert w.close(timeout=60).undelivered == 0
     assert len(MlflowClient(sqlite_uri).get_metric_history(run_id, "loss")) == 5  # the store keeps every row
-    t = load_histories(sqlite_uri, [run_id], ["loss"]).get(run_id, "loss")
+    t = load_histories(open_store(sqlite_uri), [run_id], ["loss"]).get(run_id, "loss")
     assert t.steps.tolist() == [0, 3, 4, 5]  # ascending, one point per step
     assert t.values.tolist() == [0.0, 33.0, 4.0, 5.0]  # the repeated step shows its latest value
 
@@ -74,7 +76,7 @@ def test_oversize_params_unicode_and_html_names_are_kept_as_text(sqlite_uri, cap
     assert run.info.run_name == name and run.data.tags["note"] == "<b>bold</b>"
     assert len(run.data.params["prompt"]) == MAX_PARAM_CHARS and run.data.params["ok"] == "1"
     assert "prompt" in caplog.text  # the warning names the param that was cut
-    runs = find_runs(sqlite_uri, experiments="faults ✓")
+    runs = find_runs(open_store(sqlite_uri), experiments="faults ✓")
     assert runs["name"].tolist() == [name]
 
 
@@ -103,9 +105,9 @@ def test_two_writer_processes_and_a_reader_on_one_sqlite_file(sqlite_uri, tmp_pa
     deadline = time.monotonic() + 300
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         try:  # the dashboard's reads, as often as it can, while both write
-            runs = find_runs(sqlite_uri, experiments="shared-file")
+            runs = find_runs(open_store(sqlite_uri), experiments="shared-file")
             if len(runs):
-                h = load_histories(sqlite_uri, runs["run_id"].tolist(), ["m0", "m7"], previous=h)
+                h = load_histories(open_store(sqlite_uri), runs["run_id"].tolist(), ["m0", "m7"], previous=h)
             reads += 1
         except (ExperimentNotFound, NoRunsFound):
             pass  # the writers have not created it yet
@@ -119,7 +121,7 @@ def test_two_writer_processes_and_a_reader_on_one_sqlite_file(sqlite_uri, tmp_pa
     assert errors == [] and reads > 5
     ids = [out.split()[0] for out, _ in outs]
     assert [out.split()[1:] for out, _ in outs] == [[str(steps * 8), "0"]] * 2  # delivered, undelivered
-    final = load_histories(sqlite_uri, ids, ["m0", "m7"])
+    final = load_histories(open_store(sqlite_uri), ids, ["m0", "m7"])
     for rid in ids:
         assert final.get(rid, "m7").steps.tolist() == list(range(steps))
         np.testing.assert_array_equal(final.get(rid, "m7").values, np.arange(steps) + 7.0)

@@ -10,6 +10,9 @@ import math
 import mlflow
 import pytest
 import torch
+from torch import nn
+from torch.testing import assert_close
+
 from rldiag.collectors import (
     GradReport,
     LogitsProbe,
@@ -20,8 +23,6 @@ from rldiag.collectors import (
 )
 from rldiag.collectors.gradcheck import NonFinitePosition
 from rldiag.collectors.metrics import policy_metrics
-from torch import nn
-from torch.testing import assert_close
 
 V, D = 11, 6  # vocabulary, hidden size of the tiny LM
 

@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from torch.testing import assert_close
+
 from rldiag.collectors import keys
 from rldiag.collectors.metrics import (
     clip_rate,
@@ -24,7 +26,6 @@ from rldiag.collectors.metrics import (
     sequence_ratio,
     to_host,
 )
-from torch.testing import assert_close
 
 INF = float("inf")
 PAD = None  # marks a padding position in the tables below

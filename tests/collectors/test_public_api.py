@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import rldiag.collectors
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+
 from rldiag.collectors import keys
 from rldiag.collectors.journal import journal_path, read_journal
 from rldiag.collectors.mlflow_store import make_sender, open_run
@@ -150,6 +151,7 @@ def test_log_batch_body_is_what_mlflow_sends():
     from mlflow.entities import Metric, RunTag
     from mlflow.protos.service_pb2 import LogBatch
     from mlflow.utils.proto_json_utils import message_to_json
+
     from rldiag.collectors.mlflow_store import log_batch_json
 
     points = [("loss", 0.1, 1_700_000_000_123, 0), ("grad/norm", float("nan"), 1, 2**40),

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
+
+from bench._server import MlflowServer
 from rldiag.app.data.histories import load_histories, nonfinite_table
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
-
-from bench._server import MlflowServer
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.postgres, pytest.mark.server]
@@ -40,8 +40,8 @@ EXPERIMENT = "team-postgres"
 def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
-    from rldiag.collectors import Monitor
 
+    from rldiag.collectors import Monitor
     from tests.gloo_job import gloo_step
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
@@ -120,8 +120,8 @@ def test_gloo_job_through_postgres_backed_server(tmp_path, postgres_server, post
             if (tmp_path / "run_id").exists():
                 run_id = (tmp_path / "run_id").read_text()
                 paused = (tmp_path / "halfway").exists() and halfway_steps is None
-                h = load_histories(server.uri, [run_id], previous=h)
-                hdb = load_histories(via_db, [run_id], previous=hdb)
+                h = load_histories(open_store(server.uri), [run_id], previous=h)
+                hdb = load_histories(open_store(via_db), [run_id], previous=hdb)
                 polls += 1
                 if paused:  # the job is held after HALF with everything up to it delivered
                     halfway_steps = {k: t.steps.tolist() for (_, k), t in h.traces.items()}
@@ -139,12 +139,12 @@ def test_gloo_job_through_postgres_backed_server(tmp_path, postgres_server, post
         assert w["undelivered"] == 0 and w["rejected"] == 0, w
 
         t1 = time.monotonic()
-        full = load_histories(server.uri, [run_id])  # a fresh load over the server's REST API
+        full = load_histories(open_store(server.uri), [run_id])  # a fresh load over the server's REST API
         full_s = time.monotonic() - t1
-        incremental = load_histories(server.uri, [run_id], previous=h)  # the followed load, caught up
-        direct = load_histories(postgres_url, [run_id])  # MlflowClient straight on the database
-        db_full = load_histories(via_db, [run_id])  # rldiag's PostgreSQL reader, fresh
-        db_followed = load_histories(via_db, [run_id], previous=hdb)  # ...and followed, caught up
+        incremental = load_histories(open_store(server.uri), [run_id], previous=h)  # the followed load, caught up
+        direct = load_histories(open_store(postgres_url), [run_id])  # MlflowClient straight on the database
+        db_full = load_histories(open_store(via_db), [run_id])  # rldiag's PostgreSQL reader, fresh
+        db_followed = load_histories(open_store(via_db), [run_id], previous=hdb)  # ...and followed, caught up
         db = _db_rows(postgres_server, run_id)
 
         # What the database holds is every point the writer was told was delivered, once.

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow import MlflowClient
+from torch.testing import assert_close
+
 from rldiag.app.cli.main import main
 from rldiag.collectors import keys
 from rldiag.experiments import masked_vs_unmasked as mvu
@@ -22,7 +24,6 @@ from rldiag.experiments.distill_loss import (
     pad_ragged,
     sparse_top1_divergence,
 )
-from torch.testing import assert_close
 
 RLDIAG = str(Path(sys.executable).parent / "rldiag")
 STEPS = 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rldiag.app.analysis.config_diff import (
     GROUP_BATCH,
     GROUP_OTHER,
@@ -12,9 +13,9 @@ from rldiag.app.analysis.config_diff import (
     config_diff,
     load_configs,
 )
+from rldiag.app.data.store import open_store
 from rldiag.app.errors import RunNotFound
 from rldiag.collectors import keys
-
 from tests.app.conftest import write_run
 
 V0 = {
@@ -37,7 +38,7 @@ V1 = {
 def test_parity_knobs_first_then_batch_then_the_rest(store_uri):
     v0 = write_run(store_uri, name="v0", params=V0, tags={keys.TAG_VARIANT: "v0-parity", keys.TAG_GROUP: "g"})
     v1 = write_run(store_uri, name="v1", params=V1, tags={keys.TAG_VARIANT: "v1-defaults", keys.TAG_GROUP: "g"})
-    configs = load_configs(store_uri, [v0, v1])
+    configs = load_configs(open_store(store_uri), [v0, v1])
     diff = config_diff(configs, labels={v0: "v0", v1: "v1"})
     assert diff.columns.tolist() == ["group", "kind", "name", "v0", "v1"]
     assert diff.name.tolist() == [
@@ -67,6 +68,6 @@ def test_labels_must_be_unique_and_ids_must_exist(store_uri):
     with pytest.raises(ValueError, match="unique"):
         config_diff({"r1": a, "r2": a}, labels={"r1": "same", "r2": "same"})
     with pytest.raises(RunNotFound, match="0123456789abcdef0123456789abcdef"):
-        load_configs(store_uri, ["0123456789abcdef0123456789abcdef"])
+        load_configs(open_store(store_uri), ["0123456789abcdef0123456789abcdef"])
     three = config_diff({"r1": a, "r2": RunConfig({"x": "1"}, {}), "r3": RunConfig({"x": "2"}, {})})
     assert three.r3.tolist() == ["2"] and three.r1.tolist() == ["1"]

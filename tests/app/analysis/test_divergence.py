@@ -9,16 +9,18 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from rldiag.app.analysis.divergence import (
-    DivergenceConfig,
-    compute_band,
-    detect_divergence,
-    divergence_table,
-)
-from rldiag.app.data.histories import load_histories
-from rldiag.collectors import keys
 
 from bench.divergence_data import ONSET, T, refs, seed_run, trace
+from rldiag.app.analysis.divergence import (
+    DivergenceConfig,
+    compare_runs,
+    compute_band,
+    detect_divergence,
+    divergence_frame,
+)
+from rldiag.app.data.histories import load_histories
+from rldiag.app.data.store import open_store
+from rldiag.collectors import keys
 from tests.app.conftest import write_run
 
 
@@ -117,12 +119,24 @@ def test_divergence_table_from_a_store(store_uri):
     shifted[250:] += 4.0
     broken = write_run(store_uri, name="v1 defaults", steps=steps_of({keys.RATIO_MEAN: shifted,
                                                                       keys.ENTROPY: seed_run(18, n=400)}))
-    h = load_histories(store_uri, [*ref_ids, same, broken])
-    quiet = divergence_table(h, ref_ids, same)
-    assert quiet.key.tolist() == [keys.ENTROPY, keys.RATIO_MEAN] and quiet.onset_step.isna().all()
-    loud = divergence_table(h, ref_ids, broken).set_index("key")
+    h = load_histories(open_store(store_uri), [*ref_ids, same, broken])
+    table = divergence_frame(compare_runs(h, ref_ids, [same, broken]))
+    quiet = table[table.run_id == same]
+    assert sorted(quiet.key) == [keys.ENTROPY, keys.RATIO_MEAN] and quiet.onset_step.isna().all()
+    loud = table[table.run_id == broken].set_index("key")
     assert pd.isna(loud.loc[keys.ENTROPY, "onset_step"])
     assert 250 <= loud.loc[keys.RATIO_MEAN, "onset_step"] <= 255 and loud.loc[keys.RATIO_MEAN, "delta"] > 2
+
+
+def test_compare_runs_skips_what_one_side_did_not_log(store_uri):
+    """The one candidate x metric loop: a metric only the candidate logged, or a candidate without
+    points of it, is not compared (no entry), never compared against an empty band."""
+    ref = write_run(store_uri, name="ref", steps=[(s, {keys.RATIO_MEAN: 1.0}) for s in range(30)])
+    cand = write_run(store_uri, name="cand", steps=[(s, {keys.RATIO_MEAN: 1.0, keys.ENTROPY: 2.0}) for s in range(30)])
+    h = load_histories(open_store(store_uri), [ref, cand])
+    out = compare_runs(h, [ref], [cand], [keys.RATIO_MEAN, keys.ENTROPY, keys.KL_NEW_OLD])
+    assert list(out) == [keys.RATIO_MEAN] and list(out[keys.RATIO_MEAN]) == [cand]
+    assert out[keys.RATIO_MEAN][cand].onset_step is None
 
 
 def test_a_candidate_apart_from_the_first_step_diverges_at_the_first_step():

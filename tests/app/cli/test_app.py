@@ -6,6 +6,7 @@ import socket
 import sys
 
 import pytest
+
 from rldiag.app.cli.app import streamlit_command
 from rldiag.app.cli.main import main
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import streamlit as st
-from rldiag.collectors import keys
 
+from rldiag.collectors import keys
 from tests.app.conftest import write_run
 
 STEPS = 300
@@ -111,3 +112,14 @@ def _fresh_caches():
     st.cache_data.clear()
     st.cache_resource.clear()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_main_module():
+    """Streamlit's script runner (AppTest) installs the page script as `sys.modules["__main__"]`; a
+    later `spawn` start method (torch.multiprocessing in the distributed tests) would re-run that
+    script in its children. Put pytest's own `__main__` back after each dashboard test."""
+    main = sys.modules.get("__main__")
+    yield
+    if main is not None:
+        sys.modules["__main__"] = main

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 
 import numpy as np
-from rldiag.app.dashboard.chart_grid import COMPONENT
 from streamlit.testing.v1 import AppTest
 
+from rldiag.app.dashboard.chart_grid import COMPONENT
 
 
 def _dashboard(start: str | None) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import html
 
 import numpy as np
+
 from rldiag.app.dashboard import chart_grid, data
 from rldiag.app.dashboard.selection import ALL_RUNS
 from rldiag.collectors import keys
-
 from tests.app.conftest import write_run
 from tests.app.dashboard.conftest import EVIL, INF_STEP, NAN_STEPS, SHIFT_AT
 from tests.app.dashboard.helpers import app, by_name, chart_specs, figures, unescape_md

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from rldiag.app.data.histories import Histories, load_histories, nonfinite_table
 from rldiag.app.data.nonfinite import MAX_FLOAT
 from rldiag.app.data.store import open_store
 from rldiag.app.errors import RunNotFound, StoreUnreachable
 from rldiag.collectors import keys
-
 from tests.app.conftest import T0_MS, log_raw, write_run
 
 INF, NAN = float("inf"), float("nan")
@@ -75,8 +75,8 @@ def test_sql_fast_path_equals_mlflow_client(store_uri, sql_reader):
     write_run(store_uri, run_id=a, t0_ms=T0_MS + 10_000,  # resumed from a checkpoint: steps 50-59 again
               steps=[(s, {keys.GRAD_NORM: 100.0 + s}) for s in range(50, 60)])
     b = _trl_run(store_uri)
-    fast = load_histories(store_uri, [a, b])
-    slow = load_histories(store_uri, [a, b], method="client")
+    fast = load_histories(open_store(store_uri), [a, b])
+    slow = load_histories(open_store(store_uri), [a, b], method="client")
     assert (fast.method, slow.method) == ("sql", "client")
     _assert_same(fast, slow)
 
@@ -104,7 +104,7 @@ def test_nan_and_infinities_told_apart(store_uri):
     log_raw(store_uri, c, [(keys.ENTROPY, 3.0, T0_MS, 7), (keys.inf_flag_key(keys.ENTROPY), -1.0, T0_MS, 7),
                            (keys.ENTROPY, 4.0, T0_MS, 8), (keys.inf_flag_key(keys.ENTROPY), 1.0, T0_MS, 8),
                            (keys.ENTROPY, 5.0, T0_MS + 5, 8)])
-    h = load_histories(store_uri, [a, b, c])
+    h = load_histories(open_store(store_uri), [a, b, c])
     nf = h.get(a, keys.GRAD_NORM).nonfinite()
     assert (nf.nan.tolist(), nf.posinf.tolist(), nf.neginf.tolist()) == ([10], [20], [30])
     assert h.get(a, keys.LOSS).values[40] == 1e300  # huge but finite stays finite
@@ -123,7 +123,7 @@ def test_foreign_names_show_up_under_canonical_keys(store_uri):
     both = write_run(store_uri, name="both", steps=[(s, {keys.GRAD_NORM: 1.0}) for s in range(3)])
     log_raw(store_uri, both, [("grad_norm", 9.0, T0_MS, s) for s in range(3)])
     wanted = [keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_RATE, keys.REWARD_MEAN]
-    h = load_histories(store_uri, [b, both], wanted)
+    h = load_histories(open_store(store_uri), [b, both], wanted)
     assert {k for r, k in h.traces if r == b} == set(wanted)
     assert h.get(b, keys.CLIP_RATE).source_key == "clip_ratio/region_mean"
     assert h.get(b, "kl") is h.get(b, keys.KL_REF)  # TRL kl: KL to the reference model
@@ -136,7 +136,7 @@ def test_runs_aligned_by_step(store_uri):
     a = write_run(store_uri, name="every step", steps=[(s, {keys.RATIO_MEAN: 1.0 + s}) for s in range(6)])
     b = write_run(store_uri, name="every 2nd, NaN at 4",
                   steps=[(s, {keys.RATIO_MEAN: NAN if s == 4 else 2.0 + s}) for s in range(0, 9, 2)])
-    h = load_histories(store_uri, [a, b], [keys.RATIO_MEAN])
+    h = load_histories(open_store(store_uri), [a, b], [keys.RATIO_MEAN])
     frame = h.frame(keys.RATIO_MEAN)
     assert frame.index.tolist() == [0, 1, 2, 3, 4, 5, 6, 8] and frame.columns.tolist() == [a, b]
     assert frame[a].tolist()[:6] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
@@ -164,9 +164,9 @@ def test_sql_table_scan_and_index_read_the_same_rows(store_uri, sql_reader, monk
         logged = [k for (k,) in con.execute("SELECT DISTINCT key FROM metrics")]
         assert not history_readers._full_scan(con, [a, b], logged, 0, history_readers.max_rowid(con))
         assert history_readers._full_scan(con, [a, b], logged, 1, history_readers.max_rowid(con))  # incremental
-    expected = load_histories(store_uri, [a, b], method="client")
+    expected = load_histories(open_store(store_uri), [a, b], method="client")
     monkeypatch.setattr(history_readers, "_full_scan", lambda *args: full_scan)
-    _assert_same(load_histories(store_uri, [a, b]), expected)
+    _assert_same(load_histories(open_store(store_uri), [a, b]), expected)
 
 
 _HOLD_LOCK = """
@@ -185,7 +185,7 @@ def test_sql_read_waits_for_a_writers_lock(store_uri, sql_reader, monkeypatch):
     from rldiag.app.data import readers as history_readers
 
     a = _rldiag_run(store_uri, n=50)
-    expected = load_histories(store_uri, [a], method="client")
+    expected = load_histories(open_store(store_uri), [a], method="client")
     path = str(open_store(store_uri).sqlite_path)
     holders = []
     full_scan = history_readers._full_scan
@@ -198,7 +198,7 @@ def test_sql_read_waits_for_a_writers_lock(store_uri, sql_reader, monkeypatch):
 
     monkeypatch.setattr(history_readers, "_full_scan", lock_then_decide)
     try:
-        _assert_same(load_histories(store_uri, [a]), expected)
+        _assert_same(load_histories(open_store(store_uri), [a]), expected)
     finally:
         for p in holders:
             p.wait(30)
@@ -221,24 +221,24 @@ def test_a_process_that_writes_the_file_reads_it_with_sqlite3(store_uri, tmp_pat
 
     monkeypatch.setattr(history_readers, "_read_sql_arrow", no_adbc)
     writing = replace(open_store(store_uri), writes_here=True)
-    _assert_same(load_histories(writing, [a]), load_histories(store_uri, [a], method="client"))
+    _assert_same(load_histories(writing, [a]), load_histories(open_store(store_uri), [a], method="client"))
     assert Watcher(open_store(store_uri), WatchState(tmp_path / "s.json"), [], tag_runs=True).store.writes_here
     assert not Watcher(open_store(store_uri), WatchState(tmp_path / "t.json"), []).store.writes_here
 
 
 def test_incremental_reload_fetches_only_new_rows(store_uri, sql_reader):
     live = _rldiag_run(store_uri, name="live", n=50, finish=False)
-    h1 = load_histories(store_uri, [live])
+    h1 = load_histories(open_store(store_uri), [live])
     assert h1.fetched == 50 * 2 + 17 + 2  # grad/norm, loss, ratio every 3rd step, 2 inf flags
     write_run(store_uri, run_id=live, steps=[(s, {keys.GRAD_NORM: INF if s == 52 else 0.5, keys.ENTROPY: 1.0})
                                              for s in range(50, 55)], finish=False)
     other = _rldiag_run(store_uri, name="started later", n=5)
-    h2 = load_histories(store_uri, [live, other], previous=h1)
+    h2 = load_histories(open_store(store_uri), [live, other], previous=h1)
     assert h2.fetched == 5 * 2 + 1 + (5 * 2 + 2)  # 5 new steps x 2 keys + 1 flag, and the new run in full
     assert h2.get(live, keys.GRAD_NORM).last_step == 54 and h2.get(live, keys.GRAD_NORM).nonfinite().posinf.tolist() == [20, 52]
     assert h2.get(live, keys.ENTROPY).steps.tolist() == [50, 51, 52, 53, 54]
-    _assert_same(h2, load_histories(store_uri, [live, other]))
-    again = load_histories(store_uri, [live, other], previous=h2)
+    _assert_same(h2, load_histories(open_store(store_uri), [live, other]))
+    again = load_histories(open_store(store_uri), [live, other], previous=h2)
     assert again.fetched == 0
     _assert_same(again, h2)
 
@@ -246,9 +246,9 @@ def test_incremental_reload_fetches_only_new_rows(store_uri, sql_reader):
 def test_unknown_run_and_method(store_uri):
     a = _rldiag_run(store_uri, n=3)
     with pytest.raises(RunNotFound, match="0123456789abcdef0123456789abcdef"):
-        load_histories(store_uri, [a, "0123456789abcdef0123456789abcdef"])
+        load_histories(open_store(store_uri), [a, "0123456789abcdef0123456789abcdef"])
     with pytest.raises(ValueError, match="method='rest' needs an http"):
-        load_histories(store_uri, [a], method="rest")
+        load_histories(open_store(store_uri), [a], method="rest")
 
 
 @pytest.mark.server
@@ -258,14 +258,14 @@ def test_tracking_server_rest_path_equals_client_and_sql(mlflow_server, monkeypa
     uri = mlflow_server.uri
     a = _rldiag_run(uri, n=120, finish=False)
     b = _trl_run(uri)
-    rest = load_histories(uri, [a, b])
+    rest = load_histories(open_store(uri), [a, b])
     assert rest.method == "rest"
-    client = load_histories(uri, [a, b], method="client")
+    client = load_histories(open_store(uri), [a, b], method="client")
     _assert_same(rest, client)
-    _assert_same(rest, load_histories(f"sqlite:///{mlflow_server.db}", [a, b]))  # the server's own file
+    _assert_same(rest, load_histories(open_store(f"sqlite:///{mlflow_server.db}"), [a, b]))  # the server's own file
     # The server with its backend file given (--backend-store-uri): histories straight from the file.
     monkeypatch.setenv("RLDIAG_BACKEND_STORE_URI", f"sqlite:///{mlflow_server.db}")
-    direct = load_histories(uri, [a, b])
+    direct = load_histories(open_store(uri), [a, b])
     assert direct.method == "sql" and open_store(uri).kind == "rest"
     _assert_same(direct, client)
     monkeypatch.setenv("RLDIAG_BACKEND_STORE_URI", "postgresql+psycopg2://rl:s3cret@127.0.0.1:1/mlflow")
@@ -279,14 +279,14 @@ def test_tracking_server_rest_path_equals_client_and_sql(mlflow_server, monkeypa
         open_store(uri, backend_store_uri="sqlite:///nowhere.db")
     monkeypatch.delenv("RLDIAG_BACKEND_STORE_URI")
     monkeypatch.setattr(history_readers, "_BULK_MAX", 37)  # the bulk endpoint's cap, hit: continued by offset
-    _assert_same(load_histories(uri, [a, b]), client)
+    _assert_same(load_histories(open_store(uri), [a, b]), client)
 
     write_run(uri, run_id=a, steps=[(s, {keys.GRAD_NORM: NAN if s == 121 else 0.25}) for s in range(120, 124)],
               finish=False)
-    inc = load_histories(uri, [a, b], previous=rest)
+    inc = load_histories(open_store(uri), [a, b], previous=rest)
     assert inc.fetched == 4  # only grad/norm moved, and only its 4 new rows came over the wire
     assert inc.get(a, keys.GRAD_NORM).nonfinite().nan.tolist() == [10, 121]
-    _assert_same(inc, load_histories(uri, [a, b], method="client"))
+    _assert_same(inc, load_histories(open_store(uri), [a, b], method="client"))
 
 
 @pytest.mark.slow
@@ -311,7 +311,7 @@ def test_trl_grpo_report_to_mlflow_shows_canonical_keys(store_uri, tmp_path):
         print("LOGS=" + json.dumps([h for h in trainer.state.log_history if "reward" in h]))
     """)
     env = {**os.environ, "MLFLOW_TRACKING_URI": store_uri, "MLFLOW_EXPERIMENT_NAME": "trl-grpo",
-           "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -319,10 +319,10 @@ def test_trl_grpo_report_to_mlflow_shows_canonical_keys(store_uri, tmp_path):
 
     from rldiag.app.data.runs import find_runs
 
-    runs = find_runs(store_uri, experiments="trl-grpo")
+    runs = find_runs(open_store(store_uri), experiments="trl-grpo")
     rid = runs.run_id.iloc[0]
     assert {keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_RATE, keys.REWARD_MEAN} <= set(runs.metrics.iloc[0])
-    h = load_histories(store_uri, [rid], [keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_RATE, keys.REWARD_MEAN])
+    h = load_histories(open_store(store_uri), [rid], [keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_RATE, keys.REWARD_MEAN])
     for trl_name, canonical in [("grad_norm", keys.GRAD_NORM), ("kl", keys.KL_REF), ("entropy", keys.ENTROPY),
                                 ("clip_ratio/region_mean", keys.CLIP_RATE), ("reward", keys.REWARD_MEAN)]:
         t = h.get(rid, canonical)

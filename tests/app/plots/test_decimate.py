@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from rldiag.app.data.histories import load_histories
+from rldiag.app.data.store import open_store
 from rldiag.app.plots.decimate import decimate, decimate_trace
 from rldiag.collectors import keys
-
 from tests.app.conftest import write_run
 
 
@@ -67,7 +68,7 @@ def test_short_traces_pass_through_and_bad_input_is_refused():
 def test_decimating_a_loaded_trace_keeps_its_nan_step(store_uri):
     rid = write_run(store_uri, steps=[(s, {keys.GRAD_NORM: float("nan") if s == 1234 else 1.0 + (s == 3000) * 50})
                                       for s in range(5000)])
-    trace = load_histories(store_uri, [rid], [keys.GRAD_NORM]).get(rid, keys.GRAD_NORM)
+    trace = load_histories(open_store(store_uri), [rid], [keys.GRAD_NORM]).get(rid, keys.GRAD_NORM)
     d = decimate_trace(trace, n_out=100)
     assert len(d.steps) <= 102 and d.nan_steps.tolist() == [1234] and 3000 in d.steps.tolist()
     part = decimate_trace(trace, n_out=100, first=2000, last=4000)

@@ -7,7 +7,9 @@ import json
 import numpy as np
 import plotly.io as pio
 import pytest
+
 from rldiag.app.analysis.divergence import detect_divergence
+from rldiag.app.data.store import open_store
 from rldiag.app.data.trace import Trace
 from rldiag.app.plots.figures import (
     DIVERGES_PREFIX,
@@ -119,9 +121,8 @@ def test_html_shaped_run_names_stay_text_in_the_figure_json():
 @pytest.mark.slow
 def test_a_run_of_a_million_points_loads_and_draws_bounded(tmp_path):
     # 1 M points of one metric, stored as MLflow stores them (bench's store builder), NaN/inf included
-    from rldiag.app.data.histories import load_histories
-
     from bench._common import metric_store
+    from rldiag.app.data.histories import load_histories
 
     n = 1_000_000
 
@@ -133,7 +134,7 @@ def test_a_run_of_a_million_points_loads_and_draws_bounded(tmp_path):
         return v
 
     uri, (rid,) = metric_store(tmp_path / "big.db", "big", [("big", {}, {})], ["grad/norm"], n, series)
-    t = load_histories(uri, [rid], ["grad/norm"]).get(rid, "grad/norm")
+    t = load_histories(open_store(uri), [rid], ["grad/norm"]).get(rid, "grad/norm")
     assert len(t) == n
     fig = metric_figure("grad/norm", {rid: t}, labels={rid: "big"})
     by_name = {tr.name: tr for tr in fig.data}

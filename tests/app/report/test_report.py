@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from rldiag.app.data.store import open_store
 from rldiag.app.plots.figures import NAN_SUFFIX, POSINF_SUFFIX, trace_names
 from rldiag.app.report.build import build_report, render_report
 from rldiag.collectors import keys as K
-
 from tests.app.conftest import write_run
 
 STEPS = 200
@@ -30,7 +31,7 @@ EVIL = "<img src=x onerror=alert(1)>"
 EVIL_NOTE = "a|b `code` <b>bold</b>"
 EVIL_VARIANT = "<script>alert(2)</script>|x"
 METRICS = (K.CLIP_RATE, K.RATIO_MEAN, K.KL_NEW_OLD, K.GRAD_NORM, K.GRAD_FINITE, K.LOSS)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _steps(seed: int, *, shift: bool = False, bad: bool = False):
@@ -149,16 +150,16 @@ def test_render_report_on_loaded_histories(runs):
     from rldiag.app.plots.figures import ChartOptions
 
     ids = [*runs["refs"][:1], runs["shifted"]]
-    h = load_histories(runs["uri"], ids, [K.RATIO_MEAN, K.GRAD_NORM])
-    rep = render_report(h, runs["uri"], runs["refs"][:1], [runs["shifted"]], keys=[K.RATIO_MEAN],
+    h = load_histories(open_store(runs["uri"]), ids, [K.RATIO_MEAN, K.GRAD_NORM])
+    rep = render_report(h, open_store(runs["uri"]), runs["refs"][:1], [runs["shifted"]], keys=[K.RATIO_MEAN],
                         options=ChartOptions(delta=True))
     assert list(rep.figures) == [K.RATIO_MEAN] and len(rep.divergence) == 1
     assert trace_names(rep.figures[K.RATIO_MEAN])[:2] == ["cand-shifted", "ref-seed-0"]
     assert "(minus reference)" in rep.figures[K.RATIO_MEAN].layout.title.text
     with pytest.raises(ValueError, match=r"not in the loaded histories"):
-        render_report(h, runs["uri"], runs["refs"], [runs["shifted"]])
+        render_report(h, open_store(runs["uri"]), runs["refs"], [runs["shifted"]])
     with pytest.raises(ValueError, match="both reference and candidate"):
-        render_report(h, runs["uri"], ids, [runs["shifted"]])
+        render_report(h, open_store(runs["uri"]), ids, [runs["shifted"]])
 
 
 def test_bad_selection_names_the_value_and_the_fix(runs):
@@ -258,6 +259,7 @@ def test_cli_writes_both_files(runs, tmp_path):
 def test_cli_bad_input_says_the_value_and_the_fix(runs, tmp_path, capsys, args, says):
     """The same entry point in-process (a subprocess costs seconds of imports): exit 2, one line, no traceback."""
     from mlflow import MlflowClient
+
     from rldiag.app.cli.main import main
 
     client = MlflowClient(runs["uri"])

@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow import MlflowClient
+
 from rldiag.app.cli.main import main as cli_main
+from rldiag.app.data.steps import steps_to_ranges
 from rldiag.app.data.store import open_store
 from rldiag.app.watch.loop import Watcher
-from rldiag.app.watch.state import RunState, WatchState, in_ranges, steps_to_ranges
+from rldiag.app.watch.state import RunState, WatchState, in_ranges
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import JsonlSink
-
 from tests.app.conftest import log_raw, write_run
 from tests.conftest import free_port
 
