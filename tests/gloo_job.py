@@ -11,6 +11,7 @@ def gloo_step(model, rank: int, step: int, *, nan_step: int, x_scale: float = 1.
     token, outside the band; rewards [1, 3] on rank 0 and [5] on rank 1.
     """
     import torch
+
     from rldiag.collectors import policy_metrics
 
     x = torch.ones(2, 3) * (rank + 1) * x_scale

@@ -121,7 +121,7 @@ def test_gloo_job_through_postgres_backed_server(tmp_path, postgres_server, post
                 run_id = (tmp_path / "run_id").read_text()
                 paused = (tmp_path / "halfway").exists() and halfway_steps is None
                 h = load_histories(open_store(server.uri), [run_id], previous=h)
-                hdb = load_histories(open_store(via_db), [run_id], previous=hdb)
+                hdb = load_histories(via_db, [run_id], previous=hdb)
                 polls += 1
                 if paused:  # the job is held after HALF with everything up to it delivered
                     halfway_steps = {k: t.steps.tolist() for (_, k), t in h.traces.items()}
@@ -143,8 +143,8 @@ def test_gloo_job_through_postgres_backed_server(tmp_path, postgres_server, post
         full_s = time.monotonic() - t1
         incremental = load_histories(open_store(server.uri), [run_id], previous=h)  # the followed load, caught up
         direct = load_histories(open_store(postgres_url), [run_id])  # MlflowClient straight on the database
-        db_full = load_histories(open_store(via_db), [run_id])  # rldiag's PostgreSQL reader, fresh
-        db_followed = load_histories(open_store(via_db), [run_id], previous=hdb)  # ...and followed, caught up
+        db_full = load_histories(via_db, [run_id])  # rldiag's PostgreSQL reader, fresh
+        db_followed = load_histories(via_db, [run_id], previous=hdb)  # ...and followed, caught up
         db = _db_rows(postgres_server, run_id)
 
         # What the database holds is every point the writer was told was delivered, once.

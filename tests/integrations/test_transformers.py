@@ -17,13 +17,6 @@ pytest.importorskip("transformers")
 import mlflow  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from rldiag.collectors import NonFiniteGradientError, keys  # noqa: E402
-from rldiag.collectors.integrations.transformers import (  # noqa: E402
-    LOGGED_LOSS,
-    RldiagCallback,
-    _skip_next_step,
-)
-from rldiag.collectors.session import RunSession  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import (  # noqa: E402
     LlamaConfig,
@@ -32,6 +25,14 @@ from transformers import (  # noqa: E402
     TrainerCallback,
     TrainingArguments,
 )
+
+from rldiag.collectors import NonFiniteGradientError, keys  # noqa: E402
+from rldiag.collectors.integrations.transformers import (  # noqa: E402
+    LOGGED_LOSS,
+    RldiagCallback,
+    _skip_next_step,
+)
+from rldiag.collectors.session import RunSession  # noqa: E402
 
 V, T = 64, 12  # vocabulary, sequence length
 
@@ -414,6 +415,12 @@ def test_grpo_metrics_under_trl_names_and_canonical_keys(uri, tmp_path):
     assert set(history(client, rid, keys.LOSS)) == {1, 2}
     p = run.data.params
     assert p["trainer.args_class"] == "GRPOConfig"
+    # the versions the run trained with (.venv: TRL 1.16; .venv-trl11: TRL 1.1.0, the seed bug's release)
+    import transformers
+    import trl
+
+    assert p["trainer.version.trl"] == trl.__version__
+    assert p["trainer.version.transformers"] == transformers.__version__
     assert p["trainer.beta"] == "0.1" and p["trainer.num_generations"] == "4"
     assert p["trainer.loss_type"] == args.loss_type and float(p["trainer.epsilon"]) == args.epsilon
 

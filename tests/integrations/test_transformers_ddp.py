@@ -17,8 +17,8 @@ pytest.importorskip("transformers", reason="the transformers callback needs the 
 
 import torch.multiprocessing as mp  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
-from rldiag.collectors import keys  # noqa: E402
 
+from rldiag.collectors import keys  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 NAN_STEP = 2  # optimizer step (global_step after it) whose backward is NaN on rank 1
@@ -28,9 +28,9 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), MLFLOW_DISABLE_TELEMETRY="true")
     import torch
-    from rldiag.collectors.integrations.transformers import RldiagCallback
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback
 
+    from rldiag.collectors.integrations.transformers import RldiagCallback
     from tests.integrations.test_transformers import (
         llama_config,
         lm_dataset,
