@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,8 +18,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rldiag.app.cli.options import CliError, add_tracking_option
+from rldiag.app.cli.options import CliError, add_tracking_option, first_line
 from rldiag.app.dashboard import RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI
+from rldiag.collectors.uri import redact_uri
+
+if importlib.util.find_spec("streamlit") is None:  # `rldiag app` names the [app] extra (rldiag.app.cli.main)
+    raise ModuleNotFoundError("No module named 'streamlit'", name="streamlit")
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "streamlit_app.py"
 
@@ -70,11 +76,34 @@ def _open_when_up(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> 
             time.sleep(0.3)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _check_store(uri: str, experiment: str | None) -> None:
+    """CliError when the store does not answer or has no experiment `experiment`."""
+    from rldiag.app.data.runs import pages
+    from rldiag.app.data.store import open_store, store_errors
+    from rldiag.app.errors import DataError
+
+    try:
+        store = open_store(uri)
+        if experiment is not None and store.client.get_experiment_by_name(experiment) is None:
+            names = sorted(e.name for e in pages(store.client.search_experiments))
+            raise CliError(f"--experiment {experiment!r} is not in the store; it has {', '.join(map(repr, names)) or 'none'}"
+                           "; pick one of them, or leave --experiment out to open the newest")
+    except DataError as e:
+        raise CliError(str(e)) from None
+    except store_errors() as e:
+        raise CliError(f"the tracking store {redact_uri(uri)!r} failed: {first_line(e)}. "
+                       "Check --tracking-uri (or MLFLOW_TRACKING_URI).") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from rldiag.collectors.settings import default_tracking_uri
-    from rldiag.collectors.uri import redact_uri
 
     uri = args.tracking_uri or default_tracking_uri()
+    _check_store(uri, args.experiment)  # a bad URI or experiment: exit 2 now, not a page that says so later
     _check_free(args.host, args.port)
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", **{RLDIAG_TRACKING_URI.name: uri})
     if args.experiment:
@@ -85,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     proc = subprocess.Popen(streamlit_command(args.host, args.port), env=env)
     if not args.no_browser:
         threading.Thread(target=_open_when_up, args=(url, proc), daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (kill, systemd, Kubernetes) stops the Streamlit server too, as Ctrl+C does
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return proc.wait()
     except KeyboardInterrupt:

@@ -100,6 +100,7 @@ def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0,
     from rldiag.collectors.settings import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri()
+    _check_scheme(uri)
     if uri.startswith("sqlite:"):
         return Store(uri, "sqlite", _check_sqlite(uri, "tracking URI"))
     if uri.startswith(("http://", "https://")):
@@ -126,6 +127,19 @@ def connect_postgres(dsn: str, timeout_s: float = 10.0):
     con = psycopg2.connect(dsn, connect_timeout=max(1, int(timeout_s)), application_name="rldiag")
     con.set_session(readonly=True, autocommit=True)
     return con
+
+
+def _check_scheme(uri: str) -> None:
+    """A bare path (`mlruns.db`, `/data/mlflow.db`) is not a URI: say which one was meant."""
+    if "://" in uri or uri.startswith(("sqlite:", "databricks", "file:")):
+        return
+    path = Path(uri).expanduser()
+    if path.suffix in (".db", ".sqlite", ".sqlite3") or path.is_file():
+        raise StoreUnreachable(f"tracking URI {uri!r} is a file path, not a URI: did you mean "
+                               f"sqlite:///{path.resolve()} ?")
+    if path.is_dir():
+        raise StoreUnreachable(f"tracking URI {uri!r} is a folder: rldiag reads MLflow's SQLite file "
+                               f"(sqlite:///{(path / 'mlruns.db').resolve()}) or a server (http://host:5000)")
 
 
 def postgres_dsn_of(uri: str) -> str:
