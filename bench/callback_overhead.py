@@ -35,14 +35,7 @@ import warnings
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import (
-    env_info,
-    fresh_sqlite_db,
-    quiet_mlflow,
-    summarize_ms,
-    summary_row,
-    write_result,
-)
+from bench._common import env_info, fresh_sqlite_db, quiet_mlflow, summarize_ms, summary_row, write_result
 
 NAME = "callback_overhead"
 GOAL = 1.05  # Trainer step with RldiagCallback <= 1.05x without
@@ -59,14 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.blocks, args.block_steps = 3, 6
 
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        PrinterCallback,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
+    from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
 
     from rldiag.collectors import MetricWriter

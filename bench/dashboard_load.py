@@ -34,13 +34,7 @@ from pathlib import Path
 import numpy as np
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import (
-    env_info,
-    metric_store,
-    quiet_mlflow,
-    summary_row,
-    write_result,
-)
+from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
 from bench._server import free_port
 from rldiag.collectors import keys
 from tests.browser import chromium, drawn_panels_js

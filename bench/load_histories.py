@@ -35,13 +35,7 @@ from pathlib import Path
 import numpy as np
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import (
-    env_info,
-    metric_store,
-    quiet_mlflow,
-    summary_row,
-    write_result,
-)
+from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
 

@@ -35,14 +35,7 @@ import warnings
 from pathlib import Path
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import (
-    env_info,
-    fresh_sqlite_db,
-    quiet_mlflow,
-    summarize_ms,
-    summary_row,
-    write_result,
-)
+from bench._common import env_info, fresh_sqlite_db, quiet_mlflow, summarize_ms, summary_row, write_result
 
 NAME = "overhead"
 GOAL = 1.05  # rldiag step <= 1.05x bare

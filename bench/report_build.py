@@ -26,13 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
-from bench._common import (
-    env_info,
-    metric_store,
-    quiet_mlflow,
-    summary_row,
-    write_result,
-)
+from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
 from rldiag.collectors import keys
 
 NAME = "report_build"

@@ -34,13 +34,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below loads each name on first use
-    from rldiag.collectors.alerts import (
-        AlertDispatcher,
-        JsonlSink,
-        LoggingSink,
-        NonFiniteGradAlert,
-        WebhookSink,
-    )
+    from rldiag.collectors.alerts import AlertDispatcher, JsonlSink, LoggingSink, NonFiniteGradAlert, WebhookSink
     from rldiag.collectors.gradcheck import GradReport, LogitsProbe, check_gradients
     from rldiag.collectors.metrics import (
         clip_rate,

@@ -25,13 +25,7 @@ from torch import nn
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
 from rldiag.collectors.compat.torch import host_dtype
-from rldiag.collectors.gradcheck import (
-    GradReport,
-    LogitsProbe,
-    build_report,
-    grad_norm_stats,
-    named_grads,
-)
+from rldiag.collectors.gradcheck import GradReport, LogitsProbe, build_report, grad_norm_stats, named_grads
 from rldiag.collectors.metrics import pack, to_host
 from rldiag.collectors.session import NonFiniteGradientError, RunSession
 from rldiag.collectors.writer import WriterStats

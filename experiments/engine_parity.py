@@ -42,11 +42,7 @@ from rldiag.collectors import Monitor, keys, policy_metrics
 from rldiag.collectors.integrations.vllm import process_logits, rollout_from_outputs
 from rldiag.experiments.parity_engine import Engine, EngineConfig, config_params
 from rldiag.experiments.summary import RunSummary, format_summaries
-from rldiag.experiments.tiny_hf_model import (
-    VLLM_TINY_QWEN2,
-    build_tiny_qwen2,
-    save_tiny_qwen2,
-)
+from rldiag.experiments.tiny_hf_model import VLLM_TINY_QWEN2, build_tiny_qwen2, save_tiny_qwen2
 
 GROUP = "v0_vs_v1"
 REFERENCE = "v0-parity"

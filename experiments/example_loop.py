@@ -18,12 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rldiag.collectors import Monitor, keys, policy_metrics
-from rldiag.experiments.tiny_policy import (
-    PolicyConfig,
-    TinyPolicy,
-    sample,
-    token_logprobs,
-)
+from rldiag.experiments.tiny_policy import PolicyConfig, TinyPolicy, sample, token_logprobs
 
 
 @dataclass

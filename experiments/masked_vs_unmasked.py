@@ -38,11 +38,7 @@ from tqdm.auto import tqdm
 
 from rldiag.collectors import Monitor, entropy_from_logits, keys, reward_stats
 from rldiag.collectors.metrics import masked_mean
-from rldiag.experiments.distill_loss import (
-    TeacherLogprobs,
-    pad_ragged,
-    sparse_top1_divergence,
-)
+from rldiag.experiments.distill_loss import TeacherLogprobs, pad_ragged, sparse_top1_divergence
 from rldiag.experiments.summary import RunSummary, format_summaries
 from rldiag.experiments.tiny_policy import PolicyConfig, TinyPolicy, sample
 

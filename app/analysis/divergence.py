@@ -19,6 +19,12 @@ window of the first outside step (a centred median can cross up to half a window
 The earliest of the three is reported. Considered: `ruptures` (offline change-point segmentation);
 it finds where one series changes, not where one leaves another's band, and needs a penalty per
 metric scale; this band test is a few vectorised rolling medians.
+
+A candidate without a departure on fewer compared steps than `DivergenceConfig.min_steps` is "not
+enough steps" (`Divergence.status`), never "within": `persist` steps cannot run outside a band on
+fewer. `summarize` says per candidate what the comparison shows, for the headlines of the report,
+the dashboard and `rldiag report`: non-finite gradients first, then the first departure, then how
+much was compared (metrics with not enough steps, not compared, or no longer logged).
 """
 
 from __future__ import annotations
@@ -61,6 +67,13 @@ class DivergenceConfig:
         if self.persist < 1 or self.k <= 0 or self.scale_window < 3 or self.var_ratio <= 1:
             raise ValueError(f"invalid {self}: need persist >= 1, k > 0, scale_window >= 3, var_ratio > 1")
 
+    @property
+    def min_steps(self) -> int:
+        """Compared steps a candidate needs before staying inside the band says anything: a departure
+        is `persist` consecutive compared steps outside it, and the centred medians compare a step only
+        once half a window of points surrounds it. Fewer, and no departure: "not enough steps"."""
+        return max(self.persist, self.window // 2 + 1)
+
 
 @dataclass(frozen=True)
 class Band:
@@ -74,6 +87,9 @@ class Band:
     candidate: np.ndarray  # the candidate's rolling median on the same steps
 
 
+DIVERGED, WITHIN, NOT_ENOUGH_STEPS = "diverged", "within", "not_enough_steps"  # Divergence.status
+
+
 @dataclass(frozen=True)
 class Divergence:
     key: str
@@ -84,10 +100,32 @@ class Divergence:
     delta_sigma: float  # the same in units of the reference's point noise
     first_nonfinite_step: int | None  # the candidate's first NaN/inf where the reference is finite
     steps_compared: int
+    steps_needed: int = DivergenceConfig().min_steps  # the config's min_steps
 
     @property
     def diverged(self) -> bool:
         return self.onset_step is not None
+
+    @property
+    def status(self) -> str:
+        """DIVERGED (a departure was found), NOT_ENOUGH_STEPS (none, on fewer compared steps than the
+        detector needs: 0 means nothing was compared) or WITHIN (none, on enough steps)."""
+        if self.onset_step is not None:
+            return DIVERGED
+        return NOT_ENOUGH_STEPS if self.steps_compared < self.steps_needed else WITHIN
+
+    @property
+    def evidence(self) -> str:
+        """The status in words: "diverged", "within the band", "not enough steps (8 compared, 15
+        needed)" or "not compared (0 steps)"."""
+        status = self.status
+        if status == DIVERGED:
+            return "diverged"
+        if status == WITHIN:
+            return "within the band"
+        if self.steps_compared == 0:
+            return "not compared (0 steps)"
+        return f"not enough steps ({self.steps_compared} compared, {self.steps_needed} needed)"
 
 
 def _first_run(mask: np.ndarray, n: int) -> int | None:
@@ -220,7 +258,8 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
         if i is not None:
             found.append((i, kind, mask))
     if not found:
-        return Divergence(candidate.key, None, None, None, float("nan"), float("nan"), first_bad, int(compared.sum()))
+        return Divergence(candidate.key, None, None, None, float("nan"), float("nan"), first_bad, int(compared.sum()),
+                          config.min_steps)
     i0, kind, mask = min(found, key=lambda f: f[0])
     if kind == "level" and i0 > 0:
         i = _refine_onset(cand - band.center, i0, config.window)
@@ -242,7 +281,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
         noise = float(np.nanmedian(band.noise[seg]))
     delta_sigma = delta / noise if noise > 0 and np.isfinite(delta) else float("nan")
     return Divergence(candidate.key, int(band.steps[i]), kind, end_step, delta, delta_sigma, first_bad,
-                      int(compared.sum()))
+                      int(compared.sum()), config.min_steps)
 
 
 def _refine_onset(dev: np.ndarray, i: int, window: int) -> int:
@@ -263,7 +302,7 @@ def _refine_onset(dev: np.ndarray, i: int, window: int) -> int:
 
 
 DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
-                      "first_nonfinite_step", "steps_compared"]
+                      "first_nonfinite_step", "steps_compared", "steps_needed", "status"]
 
 
 def compare_runs(histories: Histories, reference_ids: Sequence[str], candidate_ids: Sequence[str],
@@ -290,7 +329,9 @@ def compare_runs(histories: Histories, reference_ids: Sequence[str], candidate_i
 
     # Threads: most of the time is in pandas' rolling medians and numpy's partitions, which release the GIL.
     workers = max(1, min(8, os.cpu_count() or 1, len(pairs)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rldiag-divergence") as pool:
+    # `_quiet` saves and restores the process-wide warning filters, which threads entering and leaving
+    # it at once restore out of order: quiet here too, so that every state they restore is quiet.
+    with _quiet(), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rldiag-divergence") as pool:
         found = list(pool.map(detect, pairs))
     out: dict[str, dict[str, Divergence]] = {}
     for (cand, key), d in zip(pairs, found):
@@ -303,3 +344,101 @@ def divergence_frame(divergences: dict[str, dict[str, Divergence]]) -> pd.DataFr
     rows = [{"run_id": cand, **{f: getattr(d, f) for f in DIVERGENCE_COLUMNS[1:]}}
             for key, by_cand in divergences.items() for cand, d in by_cand.items()]
     return pd.DataFrame(rows, columns=DIVERGENCE_COLUMNS, dtype=object)
+
+
+# ---- per candidate: what the comparison says, for a headline ---------------------------------------
+NONFINITE, NOT_COMPARED = "nonfinite", "not_compared"  # CandidateSummary.status, besides Divergence's
+
+
+@dataclass(frozen=True)
+class CandidateSummary:
+    """What the comparison says about one candidate (`summarize`): non-finite gradients first, then
+    the metrics it left the band on, then how much the rest rests on."""
+
+    run_id: str
+    steps_needed: int  # DivergenceConfig.min_steps
+    nonfinite_steps: tuple[int, ...]  # steps with non-finite gradients (rldiag.app.analysis.nan_events.bad_steps)
+    departures: tuple[Divergence, ...]  # the metrics it left the band on, earliest onset first
+    within: tuple[Divergence, ...]  # compared on enough steps, no departure
+    thin: tuple[Divergence, ...]  # no departure on 1 to steps_needed - 1 compared steps
+    not_compared: tuple[str, ...]  # keys it logged with 0 steps compared, or that no reference logged
+    no_reference: tuple[str, ...]  # those of not_compared that no reference logged
+    last_logged: dict[str, int]  # key -> its last step, for metrics that stop while the run goes on
+
+    @property
+    def first_nonfinite_step(self) -> int | None:
+        return self.nonfinite_steps[0] if self.nonfinite_steps else None
+
+    @property
+    def first(self) -> Divergence | None:
+        """The earliest departure, or None."""
+        return self.departures[0] if self.departures else None
+
+    @property
+    def status(self) -> str:
+        """NONFINITE (non-finite gradients, whatever the bands say), DIVERGED, WITHIN (no departure on
+        at least one metric compared on enough steps), NOT_ENOUGH_STEPS (no metric compared on enough
+        steps) or NOT_COMPARED (no metric compared at all)."""
+        if self.nonfinite_steps:
+            return NONFINITE
+        if self.departures:
+            return DIVERGED
+        if self.within:
+            return WITHIN
+        return NOT_ENOUGH_STEPS if self.thin else NOT_COMPARED
+
+    @property
+    def clean(self) -> bool:
+        """Within the band on every metric it logged, each on enough steps, with finite gradients."""
+        return self.status == WITHIN and not self.thin and not self.not_compared
+
+
+def last_logged(histories: Histories, run_id: str, keys: Sequence[str]) -> dict[str, int]:
+    """`{key: last step}` for those of `keys` that `run_id` stops logging while the run goes on (TRL
+    drops kl and entropy after a NaN step): another of its loaded metrics was logged more than two of
+    this metric's own logging intervals later, so a metric logged every 10th step is not "stopped" 5
+    steps before the end, nor one a live run's writer has not flushed yet."""
+    from rldiag.collectors.keys import canonical_key
+
+    traces = {k: t for (r, k), t in histories.traces.items() if r == run_id and len(t)}
+    if not traces:
+        return {}
+    end = max(t.last_step for t in traces.values())
+    out = {}
+    for key in keys:
+        t = traces.get(canonical_key(key))
+        if t is None:
+            continue
+        stride = max(1, int(np.median(np.diff(t.steps)))) if len(t) > 1 else 1
+        if end - t.last_step > 2 * stride:
+            out[key] = t.last_step
+    return out
+
+
+def summarize(divergences: dict[str, dict[str, Divergence]], histories: Histories, reference_ids: Sequence[str],
+              candidate_ids: Sequence[str], keys: Sequence[str] | None = None,
+              config: DivergenceConfig = DivergenceConfig()) -> list[CandidateSummary]:
+    """Per candidate (in order), `compare_runs`' result for it as a `CandidateSummary`, with its
+    non-finite gradient steps from `histories` (load grad/norm and grad/finite). `keys`: the metrics
+    asked for (default: every metric the histories hold); those a candidate did not log are left out,
+    those it logged that no reference did are "not compared". `config`: as compare_runs ran, where no
+    divergence says it."""
+    from rldiag.app.analysis.nan_events import bad_steps
+
+    keys = list(dict.fromkeys(keys)) if keys is not None else list(histories.keys)
+    found = [d for by_cand in divergences.values() for d in by_cand.values()]
+    needed = found[0].steps_needed if found else config.min_steps  # as the detector ran
+    out = []
+    for cand in candidate_ids:
+        mine = [(k, divergences[k][cand]) for k in keys if cand in divergences.get(k, {})]
+        logged = [k for k in keys if (t := histories.get(cand, k)) is not None and len(t)]
+        no_ref = tuple(k for k in logged if cand not in divergences.get(k, {})
+                       and not any(len(t) for t in histories.for_key(k, reference_ids).values()))
+        by = {s: [(k, d) for k, d in mine if d.status == s] for s in (DIVERGED, WITHIN, NOT_ENOUGH_STEPS)}
+        departures = tuple(sorted((d for _, d in by[DIVERGED]), key=lambda d: d.onset_step))
+        zero = tuple(k for k, d in by[NOT_ENOUGH_STEPS] if d.steps_compared == 0)
+        out.append(CandidateSummary(
+            cand, needed, tuple(b.step for b in bad_steps(histories, cand)), departures,
+            tuple(d for _, d in by[WITHIN]), tuple(d for _, d in by[NOT_ENOUGH_STEPS] if d.steps_compared > 0),
+            zero + no_ref, no_ref, last_logged(histories, cand, keys)))
+    return out

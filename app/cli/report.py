@@ -9,13 +9,7 @@ from pathlib import Path
 from rldiag.app.cli.options import CliError, add_tracking_option, first_line
 from rldiag.app.data.store import store_errors
 from rldiag.app.errors import DataError
-from rldiag.app.report.build import (
-    DEFAULT_HTML,
-    DEFAULT_MARKDOWN,
-    EXAMPLES,
-    build_report,
-    departure_lines,
-)
+from rldiag.app.report.build import DEFAULT_HTML, DEFAULT_MARKDOWN, EXAMPLES, build_report, departure_lines
 from rldiag.collectors.uri import redact_uri
 
 

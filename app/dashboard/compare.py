@@ -9,6 +9,7 @@ from dataclasses import replace
 import pandas as pd
 import streamlit as st
 
+from rldiag.app.analysis.divergence import CandidateSummary, summarize
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
 from rldiag.app.dashboard.selection import (
@@ -21,6 +22,7 @@ from rldiag.app.dashboard.selection import (
 from rldiag.app.data.runs import runs_with_metrics
 from rldiag.app.plots.decimate import DEFAULT_POINTS
 from rldiag.app.plots.figures import ChartOptions, run_colors
+from rldiag.app.report.content import evidence_parts, nonfinite_text
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
 CHART_POINTS = 1200  # line points per run and chart: each bucket's min and max for a half-width chart
@@ -72,28 +74,31 @@ def _warn_unusable(sel: Selection) -> list[str]:
     return picked.loc[ok, "run_id"].tolist()
 
 
-def _divergence_summary(table, candidates: list[str], band: str) -> None:
-    """One line per candidate (its first departure), the full (candidate, metric) table on request: a
-    data grid costs the page load most of a second in the browser, a few lines of text next to nothing."""
-    lines = []
-    for s in data.divergence_summary(table, candidates):
-        name = f"**{escape_md(s['candidate'])}**"
-        first = s["first"]
-        if first is None:
-            lines.append(f"- {name}: stays within the band on every metric shown")
-            continue
-        how = str(first["kind"])
-        if first["kind"] == "nonfinite" and pd.notna(first["first_nonfinite_step"]):
-            how = f"non-finite from step {int(first['first_nonfinite_step'])}"
-        elif pd.notna(first["delta_sigma"]):
-            how += f", {first['delta_sigma']:+.3g} sigma"
-        more = f"; {s['metrics']} metrics in all" if s["metrics"] > 1 else ""
-        lines.append(f"- {name} leaves it first on {escape_md(first['metric'])} at step **{int(first['onset_step'])}** "
-                     f"({how}){more}")
-    st.markdown("\n".join(lines))
+def summary_line(s: CandidateSummary, label: str) -> str:
+    """The page's line for one candidate (Markdown): non-finite gradients first, then where it leaves
+    the reference first, then how much the comparison rests on (the report's words)."""
+    parts = [escape_md(t) for t in [nonfinite_text(s)] if t]
+    first = s.first
+    if first is not None:
+        how = str(first.kind)
+        if first.kind == "nonfinite" and first.first_nonfinite_step is not None:
+            how = f"non-finite from step {first.first_nonfinite_step}"
+        elif pd.notna(first.delta_sigma):
+            how += f", {first.delta_sigma:+.3g} sigma"
+        more = f"; {len(s.departures)} metrics in all" if len(s.departures) > 1 else ""
+        parts.append(f"leaves it first on {escape_md(first.key)} at step **{first.onset_step}** ({how}){more}")
+    parts += [escape_md(p) for p in evidence_parts(s)]
+    return f"- **{escape_md(label)}**: " + "; ".join(parts)
+
+
+def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], labels, band: str) -> None:
+    """One line per candidate (`summary_line`), the full (candidate, metric) table of onsets on request:
+    a data grid costs the page load most of a second in the browser, a few lines of text next to nothing."""
+    st.markdown("\n".join(summary_line(s, labels[s.run_id]) for s in summaries))
+    needed = summaries[0].steps_needed if summaries else 0
     st.caption(f"Compared with {band}: first step from which the candidate stays outside its noise band, also "
-               "marked on the charts.")
-    if st.toggle("Every onset (candidate x metric)", key="compare.divergence.all"):
+               f"marked on the charts; a metric needs {needed} compared steps before staying inside says anything.")
+    if len(table) and st.toggle("Every onset (candidate x metric)", key="compare.divergence.all"):
         st.dataframe(table, hide_index=True, key="compare.divergence", column_config={
             "delta": st.column_config.NumberColumn(format="%.4g"),
             "delta_sigma": st.column_config.NumberColumn("delta (sigma)", format="%.1f")})
@@ -104,7 +109,7 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     cands = [r for r in sel.candidate_ids if r in run_ids]
     force = st.session_state.pop("compare.force", False)
     with st.spinner("Loading metric histories..."):
-        loaded = data.histories(sel.uri, run_ids, metric_keys, live=live, force=force)
+        loaded = data.histories(sel.uri, run_ids, data.with_grad_keys(metric_keys), live=live, force=force)
     h = loaded.histories
     divs = data.divergences(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys)) if refs and cands else {}
 
@@ -115,11 +120,12 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         st.info("Pick candidate runs in the sidebar to compare them with the reference.")
     else:
         table = data.divergence_rows(divs, sel.labels)
+        summaries = summarize(divs, h, refs, cands, metric_keys)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
-        if table.empty:
+        if all(s.clean for s in summaries):  # finite gradients, enough steps on every metric, no departure
             st.success(f"No candidate leaves {band} on the metrics shown.", icon=":material/check:")
         else:
-            _divergence_summary(table, [sel.labels[c] for c in cands], band)
+            _divergence_summary(table, summaries, sel.labels, band)
 
     colors = run_colors(run_ids, refs)
     labels = tuple((r, sel.labels[r]) for r in run_ids)
@@ -168,7 +174,7 @@ def _downloads(sel: Selection, run_ids: list[str], metric_keys: list[str], optio
     if not (refs and cands):
         st.caption("Pick a reference and a candidate to build the run-comparison report.")
         return
-    loaded = data.histories(sel.uri, run_ids, metric_keys)
+    loaded = data.histories(sel.uri, run_ids, data.with_grad_keys(metric_keys))
     wanted = (loaded.stamp, tuple(refs), tuple(cands), tuple(metric_keys), options)
     built = st.session_state.get("compare.report")
     if st.button("Build report (HTML + Markdown)", key="compare.report.build"):

@@ -183,7 +183,8 @@ def available_metrics(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> list[str
 
 
 def divergence_rows(divs: Mapping[str, Mapping[str, Divergence]], labels: Mapping[str, str]) -> pd.DataFrame:
-    """One row per (candidate, metric) that left the reference band, earliest onset first."""
+    """One row per (candidate, metric) that left the reference band, earliest onset first (the rest,
+    within the band or on too few steps, per candidate: `rldiag.app.analysis.divergence.summarize`)."""
     rows = [{"candidate": labels.get(c, c), "metric": key, "onset_step": d.onset_step, "kind": d.kind,
              "end_step": d.end_step, "delta": d.delta, "delta_sigma": d.delta_sigma,
              "first_nonfinite_step": d.first_nonfinite_step}
@@ -193,14 +194,10 @@ def divergence_rows(divs: Mapping[str, Mapping[str, Divergence]], labels: Mappin
                                                         ignore_index=True)
 
 
-def divergence_summary(table: pd.DataFrame, candidates: Sequence[str]) -> list[dict]:
-    """Per candidate label (in `candidates` order): its earliest onset (`divergence_rows` row as a dict)
-    with `metrics`, how many metrics it left the band on; `None` as `first` for one that never did."""
-    out = []
-    for cand in candidates:
-        mine = table[table["candidate"] == cand]
-        out.append({"candidate": cand, "metrics": len(mine), "first": mine.iloc[0].to_dict() if len(mine) else None})
-    return out
+def with_grad_keys(metric_keys: Sequence[str]) -> tuple[str, ...]:
+    """`metric_keys` and the gradient metrics behind every "non-finite gradients" headline (grad/norm
+    under any trainer's name, grad/finite), loaded whether charted or not."""
+    return tuple(dict.fromkeys([*metric_keys, keys.GRAD_NORM, keys.GRAD_FINITE]))
 
 
 def config_rows(cfgs: Mapping[str, RunConfig], labels: Mapping[str, str], *, show_identical: bool) -> pd.DataFrame:

@@ -10,15 +10,18 @@ from rldiag.app.analysis.nan_events import nan_events
 from rldiag.app.dashboard import data
 from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs
 from rldiag.app.data.histories import nonfinite_table
+from rldiag.app.report.content import fmt
 from rldiag.collectors import keys
 
 GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.LOSS)
 
 
 def event_table(sel: Selection, events: pd.DataFrame) -> pd.DataFrame:
-    """The events with run names, as the page shows them."""
+    """The events with run names, as the page shows them: the grad norm as text, so that NaN and inf
+    read "NaN" and "inf" (a float column reaches the browser with NaN as a null: "None")."""
     out = events.copy()
     out.insert(0, "run", out.pop("run_id").map(sel.labels))
+    out["grad_norm"] = [fmt(float(v)) for v in out["grad_norm"]]
     out["n_params"] = out["n_params"].astype("Int64")  # None where only the metrics tell
     return out.rename(columns={"grad_norm": "grad norm", "n_params": "# params", "positions": "samples / tokens"})
 
@@ -37,7 +40,7 @@ def render() -> None:
     summary = pd.DataFrame({
         "run": [sel.labels[r] for r in ids],
         "non-finite steps": [int(counts["count"].get(r, 0)) if len(counts) else 0 for r in ids],
-        "first step": [counts["min"].get(r) if len(counts) else None for r in ids],
+        "first step": [str(int(counts["min"][r])) if len(counts) and r in counts.index else "-" for r in ids],
         "alerts (tag)": [int(sel.runs.set_index("run_id").at[r, "alerts"]) for r in ids],
     })
     st.dataframe(summary, hide_index=True, key="nan.summary")
@@ -46,8 +49,7 @@ def render() -> None:
                    "at every logged step).", icon=":material/check:")
     else:
         st.subheader("Steps with non-finite gradients")
-        st.dataframe(event_table(sel, events), hide_index=True, key="nan.events",
-                     column_config={"grad norm": st.column_config.NumberColumn(format="%.4g")})
+        st.dataframe(event_table(sel, events), hide_index=True, key="nan.events")
         st.caption("`source`: `alerts` from the run's rldiag/alerts.jsonl, `tag` from its last-alert tag "
                    "(while it runs), `metrics` from grad/finite or a NaN/inf grad norm (any trainer).")
     other = nonfinite_table(h, ids)

@@ -10,13 +10,7 @@ from functools import partial
 import pandas as pd
 
 from rldiag.app.data.store import Store, require_store
-from rldiag.app.errors import (
-    DataError,
-    ExperimentNotFound,
-    NoRunsFound,
-    RunNotFound,
-    StoreUnreachable,
-)
+from rldiag.app.errors import DataError, ExperimentNotFound, NoRunsFound, RunNotFound, StoreUnreachable
 from rldiag.collectors import keys
 
 RUN_COLUMNS: tuple[str, ...] = (

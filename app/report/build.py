@@ -52,6 +52,12 @@ class Report:
         return self.content.divergence
 
     @property
+    def summaries(self):
+        """Per candidate, `rldiag.app.analysis.divergence.CandidateSummary`: non-finite gradients, departures,
+        the metrics with not enough steps or not compared, metrics that stop early."""
+        return self.content.summaries
+
+    @property
     def nan_events(self):
         """DataFrame of `rldiag.app.analysis.nan_events.nan_events` for every run of the report."""
         return self.content.nan_events
@@ -189,13 +195,12 @@ def _load(store: Store, ids: list[str], keys: list[str]) -> Histories:
 
 
 def departure_lines(report: Report) -> list[str]:
-    """Per candidate, one plain-text line: its first departure from the references, or that it has none."""
-    from rldiag.app.report.content import divergence_sentence, first_departures
+    """Per candidate, one plain-text line (`rldiag.app.report.content.headline`): non-finite gradients
+    first, then its first departure from the references, then how much the comparison rests on."""
+    from rldiag.app.report.content import headline
 
     labels = report.labels
-    return [divergence_sentence(row, labels[run]) if row is not None
-            else f"{labels[run]}: stays within the reference band on every metric compared"
-            for run, row in first_departures(report.content)]
+    return [headline(s, labels[s.run_id]) for s in report.content.summaries]
 
 
 __all__ = ["Report", "build_report", "render_report", "resolve_runs", "default_keys", "departure_lines"]

@@ -3,6 +3,8 @@
 
     content = report_content(histories, store, reference_ids, candidate_ids)
     content.divergence   # one row per (candidate, metric): onset step, kind, size of the departure
+    content.summaries    # per candidate: non-finite gradients, first departure, how much was compared
+    headline(content.summaries[0], "run")   # "run: non-finite gradients from step 4 (5 steps); ..."
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import pandas as pd
 
 from rldiag.app.analysis.config_diff import RunConfig, config_diff
 from rldiag.app.analysis.divergence import (
+    DIVERGENCE_COLUMNS,
+    CandidateSummary,
+    Divergence,
     DivergenceConfig,
     compare_runs,
     divergence_frame,
+    summarize,
 )
 from rldiag.app.analysis.nan_events import nan_events
 from rldiag.app.data.alerts import load_alert_events
@@ -57,6 +63,7 @@ class ReportContent:
     nonfinite: pd.DataFrame  # rldiag.app.data.histories.nonfinite_table, every charted metric
     config_diff: pd.DataFrame  # rldiag.app.analysis.config_diff.config_diff, columns group, kind, name, <labels>
     figures: dict[str, object]  # key -> plotly Figure
+    summaries: tuple[CandidateSummary, ...] = ()  # per candidate, in candidate order
 
     @property
     def labels(self) -> dict[str, str]:
@@ -117,6 +124,7 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
 
     divergences = compare_runs(histories, refs, cands, keys, divergence_config)
     divergence = divergence_frame(divergences)
+    summaries = tuple(summarize(divergences, histories, refs, cands, keys, divergence_config))
 
     figures = {key: metric_figure(key, histories.for_key(key, ids), labels=labels, reference_ids=refs,
                                   colors=colors, divergences=divergences.get(key, {}), options=options) for key in keys}
@@ -131,12 +139,13 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     groups = sorted({i.group for i in infos if i.group})
     title = (f"group {', '.join(groups)}: " if groups else "") + f"{len(cands)} candidate(s) vs {len(refs)} reference(s)"
     return ReportContent(title, redact_uri(store.uri), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), infos,
-                         tuple(keys), divergence, events, nonfinite, diff, figures)
+                         tuple(keys), divergence, events, nonfinite, diff, figures, summaries)
 
 
 # ---- formatting shared by the HTML and Markdown renderers ------------------------------------------
 def fmt(v, digits: int = 4) -> str:
-    """A table cell: "-" for missing/NaN, integers as such, floats to `digits` significant digits."""
+    """A table cell: "-" for missing (None), NaN and inf as "NaN", "inf", "-inf" (a logged value that
+    went non-finite shows as such), integers as such, floats to `digits` significant digits."""
     if v is None:
         return "-"
     if isinstance(v, (bool, np.bool_)):
@@ -145,35 +154,111 @@ def fmt(v, digits: int = 4) -> str:
         return str(int(v))
     if isinstance(v, (float, np.floating)):
         if math.isnan(v):
-            return "-"
+            return "NaN"
         if math.isinf(v):
-            return "+inf" if v > 0 else "-inf"
+            return "inf" if v > 0 else "-inf"
         return f"{v:.{digits}g}"
     return str(v)
 
 
+def fmt_stat(v, digits: int = 4) -> str:
+    """A computed statistic (a departure's size): "-" where it is undefined (None or NaN: no departure,
+    a non-finite one, a reference without noise), else as `fmt`."""
+    if v is None or (isinstance(v, (float, np.floating)) and math.isnan(v)):
+        return "-"
+    return fmt(v, digits)
+
+
 def fmt_value(v) -> str:
-    """A config value: "(missing)" where the run does not have it."""
-    return "(missing)" if v is None else str(v)
+    """A config value as the run holds it; "(missing)" where it does not have it; a non-finite float as
+    "NaN", "inf", "-inf" (as `fmt`)."""
+    if v is None:
+        return "(missing)"
+    if isinstance(v, (float, np.floating)) and not math.isfinite(v):
+        return fmt(v)
+    return str(v)
+
+
+def _row(d: Divergence) -> dict:
+    return {f: getattr(d, f) for f in DIVERGENCE_COLUMNS[1:]}
+
+
+def departure_text(row: dict) -> str:
+    """Where a candidate leaves the band of a metric, and by how much (plain text, no label)."""
+    if row["onset_step"] is None:
+        return f"{row['key']} stays within the reference band"
+    if row["kind"] == "nonfinite":
+        size = "non-finite where the references are finite"
+    else:
+        size = f"delta {fmt_stat(row['delta'], 3)} ({fmt_stat(row['delta_sigma'], 3)} sigma)"
+    end = "" if row["end_step"] is None else f" to step {row['end_step']}"
+    return f"{row['key']} leaves the reference band at step {row['onset_step']}{end} ({row['kind']}, {size})"
 
 
 def divergence_sentence(row: dict, label: str) -> str:
     """One line: where a candidate leaves the band of a metric, and by how much (plain text)."""
-    if row["onset_step"] is None:
-        return f"{label}: {row['key']} stays within the reference band"
-    if row["kind"] == "nonfinite":
-        size = "non-finite where the references are finite"
-    else:
-        size = f"delta {fmt(row['delta'], 3)} ({fmt(row['delta_sigma'], 3)} sigma)"
-    end = "" if row["end_step"] is None else f" to step {row['end_step']}"
-    return f"{label}: {row['key']} leaves the reference band at step {row['onset_step']}{end} ({row['kind']}, {size})"
+    return f"{label}: {departure_text(row)}"
 
 
-def first_departures(content: ReportContent) -> list[tuple[str, dict | None]]:
-    """Per candidate (in order): its earliest departure row, or None when it stays in every band."""
-    out = []
-    div = content.divergence
-    for run in content.candidate_ids:
-        rows = [r for r in div[div["run_id"] == run].to_dict("records") if r["onset_step"] is not None]
-        out.append((run, min(rows, key=lambda r: r["onset_step"]) if rows else None))
-    return out
+def status_text(row: dict) -> str:
+    """A `divergence` row's status in words (`Divergence.evidence`): "diverged", "within the band",
+    "not enough steps (8 compared, 15 needed)", "not compared (0 steps)"."""
+    return Divergence(**{f: row[f] for f in DIVERGENCE_COLUMNS[1:] if f != "status"}).evidence
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def nonfinite_text(s: CandidateSummary) -> str | None:
+    """ "non-finite gradients from step 4 (5 steps)", or None for finite gradients."""
+    if not s.nonfinite_steps:
+        return None
+    return f"non-finite gradients from step {s.nonfinite_steps[0]} ({_plural(len(s.nonfinite_steps), 'step')})"
+
+
+def metric_note(s: CandidateSummary, key: str) -> str:
+    """What a table says beside a metric's status: "no reference logged it", "last logged at step N"."""
+    notes = (["no reference logged it"] if key in s.no_reference else []) + (
+        [f"last logged at step {s.last_logged[key]}"] if key in s.last_logged else [])
+    return ", ".join(notes)
+
+
+def _named(s: CandidateSummary, key: str) -> str:
+    note = metric_note(s, key)
+    return f"{key} ({note})" if note else key
+
+
+def evidence_parts(s: CandidateSummary) -> list[str]:
+    """How much the comparison of `s` rests on, in words: the metrics compared on enough steps without
+    a departure (only when it left no band: the departure says more), those with not enough steps,
+    those not compared, metrics that stop early. Counts only what was compared."""
+    parts = []
+    if not s.departures and s.within:
+        lead = "no departure on" if s.nonfinite_steps else "stays within the reference band on"
+        parts.append(f"{lead} {_plural(len(s.within), 'metric')} compared")
+    if s.thin:
+        n = sorted(d.steps_compared for d in s.thin)
+        shown = str(n[0]) if n[0] == n[-1] else f"{n[0]}-{n[-1]}"
+        parts.append(f"not enough steps ({shown} compared, {s.steps_needed} needed) on "
+                     + ", ".join(_named(s, d.key) for d in s.thin))
+    if s.not_compared:
+        parts.append("not compared: " + ", ".join(_named(s, k) for k in s.not_compared))
+    listed = {d.key for d in s.thin} | set(s.not_compared)
+    stopped = [f"{k} last logged at step {step}" for k, step in s.last_logged.items() if k not in listed]
+    if stopped:
+        parts.append("; ".join(stopped))
+    if not parts and not s.departures:
+        parts.append("no metric compared")
+    return parts
+
+
+def headline(s: CandidateSummary, label: str) -> str:
+    """One plain-text line per candidate: non-finite gradients first, then its first departure, then
+    how much the comparison rests on; never "within the band" on too few steps or with NaN gradients."""
+    parts = [p for p in [nonfinite_text(s)] if p]
+    if s.first is not None:
+        more = f" (first of {len(s.departures)} metrics it leaves)" if len(s.departures) > 1 else ""
+        parts.append(departure_text(_row(s.first)) + more)
+    parts += evidence_parts(s)
+    return f"{label}: " + "; ".join(parts)

@@ -12,13 +12,7 @@ import html
 from functools import cache
 
 from rldiag.app.data.steps import format_ranges
-from rldiag.app.report.content import (
-    ReportContent,
-    divergence_sentence,
-    first_departures,
-    fmt,
-    fmt_value,
-)
+from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
 
 MAX_EVENT_ROWS = 2000  # the NaN-events table; the charts keep every non-finite step regardless
 PLOTLY_CONFIG = '{"responsive": true, "displaylogo": false}'
@@ -33,7 +27,7 @@ h1 { font-size: 22px; margin: 4px 0; } h2 { font-size: 18px; margin: 28px 0 8px;
 .meta { color: #666; margin: 0 0 8px; } nav a { margin-right: 14px; }
 table { border-collapse: collapse; margin: 6px 0 10px; } th, td { border: 1px solid #ddd; padding: 3px 8px;
   text-align: left; vertical-align: top; } th { background: #f5f5f5; } td.num { text-align: right; }
-tr.hit td { background: #fff1e0; } .swatch { display: inline-block; width: 12px; height: 12px;
+tr.hit td { background: #fff1e0; } tr.thin td { color: #666; background: #f6f6f6; } .swatch { display: inline-block; width: 12px; height: 12px;
   border-radius: 2px; margin-right: 6px; vertical-align: -1px; } code { font-size: 12px; }
 .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 8px 16px; }
 .chart { min-height: 300px; } .note { color: #666; font-style: italic; }
@@ -94,17 +88,23 @@ def _runs(c: ReportContent) -> str:
 
 def _divergence(c: ReportContent) -> str:
     labels = c.labels
-    items = [e(divergence_sentence(row, labels[run])) if row is not None
-             else f"{e(labels[run])}: stays within the reference band on every metric compared"
-             for run, row in first_departures(c)]
-    rows = [([e(labels[r["run_id"]]), e(r["key"]), fmt(r["onset_step"]), e(r["kind"] or "-"),
-              fmt(r["end_step"]) if r["onset_step"] is None or r["end_step"] is not None else "(to the end)",
-              fmt(r["delta"], 3), fmt(r["delta_sigma"], 3), fmt(r["first_nonfinite_step"]), fmt(r["steps_compared"])],
-             "hit" if r["onset_step"] is not None else "")
-            for r in c.divergence.to_dict("records")]
-    return ("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
-            + _table(["candidate", "metric", "onset step", "kind", "end step", "delta", "delta (sigma)",
-                      "first non-finite step", "steps compared"], rows, {2, 4, 5, 6, 7, 8}))
+    items = [e(headline(s, labels[s.run_id])) for s in c.summaries]
+    summaries = {s.run_id: s for s in c.summaries}
+    rows = []
+    for r in c.divergence.to_dict("records"):
+        s = summaries.get(r["run_id"])
+        rows.append(([e(labels[r["run_id"]]), e(r["key"]), e(status_text(r)), fmt(r["onset_step"]), e(r["kind"] or "-"),
+                      fmt(r["end_step"]) if r["onset_step"] is None or r["end_step"] is not None else "(to the end)",
+                      fmt_stat(r["delta"], 3), fmt_stat(r["delta_sigma"], 3), fmt(r["first_nonfinite_step"]),
+                      fmt(r["steps_compared"]), e(metric_note(s, r["key"]) if s else "") or "-"],
+                     {"diverged": "hit", "not_enough_steps": "thin"}.get(r["status"], "")))
+    needed = c.summaries[0].steps_needed if c.summaries else None
+    note = (f'<p class="note">A metric needs {needed} compared steps (candidate and a reference both logged, '
+            'the band defined) before "no departure" means anything: fewer is "not enough steps".</p>'
+            if needed else "")
+    return ("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>" + note
+            + _table(["candidate", "metric", "status", "onset step", "kind", "end step", "delta", "delta (sigma)",
+                      "first non-finite step", "steps compared", "note"], rows, {3, 5, 6, 7, 8, 9}))
 
 
 def _nan_events(c: ReportContent) -> str:

@@ -8,13 +8,7 @@ table cell, open a link or inject HTML. Long tables are cut at `MAX_ROWS`; the H
 from __future__ import annotations
 
 from rldiag.app.data.steps import format_ranges
-from rldiag.app.report.content import (
-    ReportContent,
-    divergence_sentence,
-    first_departures,
-    fmt,
-    fmt_value,
-)
+from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
 
 MAX_ROWS = 60  # per table: a PR comment holds 65,536 characters
 _ESCAPES = str.maketrans({
@@ -48,21 +42,35 @@ def render_markdown(c: ReportContent) -> str:
             ""]
 
     out += ["### Divergence from the references", ""]
-    for run, row in first_departures(c):
-        line = (divergence_sentence(row, labels[run]) if row is not None
-                else f"{labels[run]}: stays within the reference band on every metric compared")
-        out.append("- " + md(line) + (" (first departure)" if row is not None else ""))
+    summaries = {s.run_id: s for s in c.summaries}
+    for s in c.summaries:
+        out.append("- " + md(headline(s, labels[s.run_id])))
     div = c.divergence
-    hits = div[div["onset_step"].notna()].to_dict("records")
+    hits = div[div["status"] == "diverged"].to_dict("records")
     if hits:
         out.append("")
         out += _table(["candidate", "metric", "onset step", "kind", "end step", "delta", "delta (sigma)",
                        "first non-finite step"],
                       [[md(labels[r["run_id"]]), md(r["key"]), fmt(r["onset_step"]), md(r["kind"]),
-                        fmt(r["end_step"]) if r["end_step"] is not None else "(to the end)", fmt(r["delta"], 3),
-                        fmt(r["delta_sigma"], 3), fmt(r["first_nonfinite_step"])] for r in hits], "llrlrrrr")
-    out += ["", f"{len(div) - len(hits)} of {len(div)} (candidate, metric) comparisons stay within the reference band.",
-            ""]
+                        fmt(r["end_step"]) if r["end_step"] is not None else "(to the end)", fmt_stat(r["delta"], 3),
+                        fmt_stat(r["delta_sigma"], 3), fmt(r["first_nonfinite_step"])] for r in hits], "llrlrrrr")
+    thin = div[div["status"] == "not_enough_steps"].to_dict("records")
+    if thin:
+        out.append("")
+        out += _table(["candidate", "metric", "steps compared", "status", "note"],
+                      [[md(labels[r["run_id"]]), md(r["key"]), fmt(r["steps_compared"]), md(status_text(r)),
+                        md(metric_note(summaries[r["run_id"]], r["key"]) if r["run_id"] in summaries else "") or "-"]
+                       for r in thin], "llrll")
+    counts = div["status"].value_counts().to_dict() if len(div) else {}
+    zero = sum(1 for r in thin if r["steps_compared"] == 0)
+    said = [f"{n} {what}" for n, what in ((counts.get("diverged", 0), "leave the reference band"),
+                                          (counts.get("within", 0), "stay inside it on enough steps"),
+                                          (len(thin) - zero, "have not enough steps to tell"),
+                                          (zero, "were not compared (0 steps)")) if n]
+    if said:
+        out += ["", f"Of {len(div)} (candidate, metric) comparisons: {', '.join(said)}.", ""]
+    else:
+        out.append("")
 
     out += ["### Non-finite gradients", ""]
     ev = c.nan_events

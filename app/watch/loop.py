@@ -37,11 +37,7 @@ from rldiag.app.data.store import Store, store_errors
 from rldiag.app.watch.events import WatchAlert, divergence_event
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
-from rldiag.collectors.alerts import (
-    AlertDispatcher,
-    MlflowTagSink,
-    NonFiniteGradAlert,
-)
+from rldiag.collectors.alerts import AlertDispatcher, MlflowTagSink, NonFiniteGradAlert
 from rldiag.collectors.uri import redact_uri
 
 log = logging.getLogger("rldiag.watch")

@@ -13,14 +13,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from rldiag.collectors import (
-    GradReport,
-    LogitsProbe,
-    Monitor,
-    NonFiniteGradientError,
-    check_gradients,
-    keys,
-)
+from rldiag.collectors import GradReport, LogitsProbe, Monitor, NonFiniteGradientError, check_gradients, keys
 from rldiag.collectors.gradcheck import NonFinitePosition
 from rldiag.collectors.metrics import policy_metrics
 

@@ -155,3 +155,47 @@ def test_a_candidate_at_parity_for_one_step_then_apart_diverges_at_the_second():
     c[0] = np.median([t.values[0] for t in r])
     d = detect_divergence(r, trace(c))
     assert d.diverged and d.onset_step == 1
+
+
+def test_too_few_compared_steps_is_not_enough_steps_never_within():
+    config = DivergenceConfig()
+    assert config.min_steps == config.persist == 15  # a departure is 15 steps outside in a row
+    assert DivergenceConfig(persist=3).min_steps == 5  # ... and a step is compared inside half a window
+    r = refs(5, 3, n=20)
+    short = detect_divergence(r, trace(seed_run(5999, n=10)))  # a seed, 10 steps: nothing to see on so few
+    assert (short.diverged, short.status, short.steps_compared) == (False, "not_enough_steps", 10)
+    assert short.evidence == "not enough steps (10 compared, 15 needed)"
+    none = detect_divergence(r, trace(seed_run(5999, n=3)))  # fewer points than the centred median needs
+    assert (none.status, none.steps_compared, none.evidence) == ("not_enough_steps", 0, "not compared (0 steps)")
+    enough = detect_divergence(r, trace(seed_run(5999, n=20)))
+    assert (enough.status, enough.steps_compared, enough.evidence) == ("within", 20, "within the band")
+    apart = detect_divergence(r, trace(seed_run(5999, n=20) + 10.0))
+    assert apart.status == "diverged" and apart.onset_step == 0  # enough steps: the result as before
+    assert DivergenceConfig(persist=5).min_steps == 5
+    assert detect_divergence(r, trace(seed_run(5999, n=10)), DivergenceConfig(persist=5)).status == "within"
+
+
+def test_summary_per_candidate_nan_first_thin_not_compared_and_stopped_metrics(store_uri):
+    """`summarize`: what the report's, the dashboard's and the CLI's headline say per candidate."""
+    from rldiag.app.analysis.divergence import summarize
+
+    ref = write_run(store_uri, name="ref", steps=[(s, {keys.RATIO_MEAN: float(v), keys.ENTROPY: 2.0, keys.LOSS: 0.5,
+                                                       keys.GRAD_NORM: 1.0})
+                                                  for s, v in enumerate(seed_run(1, n=40))])
+    cand_steps = []
+    for s, v in enumerate(seed_run(2, n=40)):
+        m = {keys.RATIO_MEAN: float(v), keys.GRAD_NORM: float("nan") if s == 30 else 1.0, keys.KL_REF: 0.01}
+        if s < 10:
+            m[keys.ENTROPY] = 2.0  # stops after 10 steps of 40: not enough steps, last logged at 9
+        if s % 5 == 0:
+            m[keys.LOSS] = 0.5  # every 5th step, to step 35 of 39: not "stopped"; 8 points
+        cand_steps.append((s, m))
+    cand = write_run(store_uri, name="cand", steps=cand_steps)
+    h = load_histories(open_store(store_uri), [ref, cand])
+    ks = [keys.RATIO_MEAN, keys.ENTROPY, keys.KL_REF, keys.GRAD_NORM, keys.LOSS]
+    [s] = summarize(compare_runs(h, [ref], [cand], ks), h, [ref], [cand], ks)
+    assert s.status == "nonfinite" and s.nonfinite_steps == (30,) and s.first_nonfinite_step == 30
+    assert [d.key for d in s.within] == [keys.RATIO_MEAN, keys.GRAD_NORM] and not s.departures
+    assert [(d.key, d.steps_compared) for d in s.thin] == [(keys.ENTROPY, 10), (keys.LOSS, 8)]
+    assert s.not_compared == s.no_reference == (keys.KL_REF,)  # the candidate logged it, no reference did
+    assert s.last_logged == {keys.ENTROPY: 9} and not s.clean

@@ -13,6 +13,7 @@ from rldiag.collectors import keys
 from tests.app.conftest import write_run
 from tests.app.dashboard.conftest import EVIL, INF_STEP, NAN_STEPS, SHIFT_AT
 from tests.app.dashboard.helpers import app, by_name, chart_specs, figures, unescape_md
+from tests.app.test_short_nan_runs import NAN_FROM, NEEDED, write_trl_runs
 from tests.conftest import free_port
 
 TAGGED = ["v0 ref", "v0 seed1", "v0 seed2", "v1 shifted", "unmasked", EVIL]
@@ -37,7 +38,7 @@ def test_overview_lists_every_run_with_status_steps_alerts_and_tags(dash_store, 
 
 def divergence_lines(at) -> dict[str, str]:
     """The Compare page's one line per candidate, `{candidate: line}`, markdown undone."""
-    [text] = [unescape_md(m.value) for m in at.markdown if "stays within the band" in m.value or "leaves it first" in m.value]
+    [text] = [unescape_md(m.value) for m in at.markdown if m.value.startswith("- **")]
     return {line[4:].split("**")[0]: line for line in text.splitlines()}
 
 
@@ -67,7 +68,10 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
     shifted = summary.pop("v1 shifted")
     assert "at step" in shifted and "2 metrics in all" in shifted
     assert abs(int(shifted.split("at step ")[1].split()[0].strip("*")) - SHIFT_AT) <= 3
-    assert summary and all("stays within the band" in line for line in summary.values())  # seeds, unmasked, ...
+    # NaN first: the run with non-finite gradients is never "within", whatever its bands say
+    assert summary.pop("unmasked").startswith(f"- **unmasked**: non-finite gradients from step {NAN_STEPS[0]} (4 steps)")
+    assert summary and all("stays within the reference band on 7 metrics compared" in line
+                           for line in summary.values())  # the seeds, the run named like HTML
     assert not at.dataframe
     at.toggle(key="compare.divergence.all").set_value(True).run()
     table = at.dataframe[0].value
@@ -109,8 +113,35 @@ def test_compare_band_of_seeds_trl_aliases_and_a_run_without_canonical_metrics(d
     assert {t["name"] for t in figures(at)[keys.KL_REF]} == {"trl run"}
     assert "trl run" not in {t["name"] for t in figs[keys.RATIO_MEAN]}  # TRL logged no ratio
     lines = divergence_lines(at)  # the band of 3 seeds: only the shift departs
-    assert "leaves it first" in lines["v1 shifted"] and "stays within the band" in lines["trl run"]
+    assert "leaves it first" in lines["v1 shifted"] and "stays within the reference band" in lines["trl run"]
+    assert f"not compared: {keys.KL_REF} (no reference logged it)" in lines["trl run"]
     assert any("band of 3 reference runs" in c.value for c in at.caption)
+
+
+def test_compare_headlines_nan_first_on_two_short_trl_runs(store_uri, monkeypatch):
+    """Two stock TRL runs of 8 steps (no rldiag tags: the oldest is the reference), the candidate NaN
+    from step 4: never "No candidate leaves the reference run", never "within" on 8 steps."""
+    write_trl_runs(store_uri)
+    at = app(store_uri, monkeypatch, "compare")
+    assert not [s for s in at.success if "No candidate leaves" in s.value]
+    line = divergence_lines(at)["grpo-nan"]
+    assert line.startswith(f"- **grpo-nan**: non-finite gradients from step {NAN_FROM} (5 steps)")
+    assert f"not enough steps (8 compared, {NEEDED} needed)" in line and "within" not in line
+    assert f"{keys.KL_REF} (last logged at step 4)" in line
+    # without the grad norm charted the headline still knows: the gradient metrics load regardless
+    at.multiselect(key="compare.metrics").set_value([keys.REWARD_MEAN, keys.LOSS]).run()
+    line = divergence_lines(at)["grpo-nan"]
+    assert line.startswith(f"- **grpo-nan**: non-finite gradients from step {NAN_FROM}") and "within" not in line
+    assert list(figures(at)) == [keys.REWARD_MEAN, keys.LOSS]
+
+
+def test_nan_events_of_a_trl_run_print_nan_not_none(store_uri, monkeypatch):
+    write_trl_runs(store_uri)
+    at = app(store_uri, monkeypatch, "nan-events")
+    summary, events = at.dataframe[0].value, at.dataframe[1].value
+    assert summary.set_index("run").loc["grpo-nan", "first step"] == str(NAN_FROM)
+    assert events["step"].tolist() == [4, 5, 6, 7, 8] and events["grad norm"].tolist() == ["NaN"] * 5
+    assert events["source"].unique().tolist() == ["metrics"]
 
 
 def test_compare_controls_delta_step_range_and_metric_choice(dash_store, monkeypatch):
@@ -137,7 +168,8 @@ def test_nan_events_lists_steps_parameters_and_tokens(dash_store, monkeypatch):
     tagged = events.set_index("step").loc[200]
     assert tagged["source"] == "tag" and tagged["params"] == "model.embed.weight, model.lm_head.weight"
     assert tagged["samples / tokens"] == "sample 1 token 3" and tagged["# params"] == 2
-    assert events.set_index("step").loc[INF_STEP, "grad norm"] == np.inf
+    norms = events.set_index("step")["grad norm"]
+    assert norms.loc[INF_STEP] == "inf" and norms.loc[list(NAN_STEPS)].tolist() == ["NaN"] * 3  # never None
 
 
 def test_config_diff_puts_engine_parity_knobs_first(dash_store, monkeypatch):

@@ -110,7 +110,9 @@ def test_markdown_lists_nonfinite_gradient_steps(report):
     by_run = {r[0]: dict(zip(rows[0], r)) for r in rows[1:]}
     assert list(by_run) == ["cand-nan"]
     assert by_run["cand-nan"]["at steps"] == "50-51, 90, 140" and by_run["cand-nan"]["steps"] == "4"
-    assert by_run["cand-nan"]["grad norm at the first"] == "-"  # NaN
+    assert by_run["cand-nan"]["grad norm at the first"] == "NaN"  # as logged, never "-" or None
+    # NaN first: the candidate is headlined by its gradients, never as within the band
+    assert "- cand-nan: non-finite gradients from step 50 (4 steps); no departure on 6 metrics compared" in report.markdown
     values = _table(report.markdown, "### Non-finite metric values")
     assert [r[:6] for r in values[1:]] == [["cand-nan", K.GRAD_NORM, "3", "1", "0", "50-51, 90, 140"]]
 

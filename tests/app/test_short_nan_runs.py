@@ -1,0 +1,104 @@
+"""Two short stock-TRL runs (GRPOTrainer, `report_to="mlflow"`): 8 steps each, as transformers'
+MLflowCallback logs them (TRL's own names, one `log_batch` a step, no rldiag tags), the candidate with a
+NaN `grad_norm` from step 4 on and TRL's `kl` and `entropy` rows stopping after step 4.
+
+What a user reads off `rldiag report`: the candidate is headlined "non-finite gradients from step 4"
+before anything else, the metrics with fewer compared steps than the detector needs say "not enough
+steps", nothing claims "within the reference band", the NaN grad norm prints as NaN, and kl says
+where it was last logged. (The dashboard's pages on the same store: tests/app/dashboard/test_pages.py.)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from rldiag.app.analysis.divergence import DivergenceConfig
+from rldiag.app.report.build import build_report, departure_lines
+from rldiag.collectors import keys as K
+from tests.app.conftest import T0_MS, log_raw
+
+STEPS = range(1, 9)  # transformers' global_step: 1 after the first optimizer step
+NAN_FROM = 4  # grad_norm NaN from here on
+LAST_KL = 4  # TRL logs kl and entropy up to here
+NEEDED = DivergenceConfig().min_steps
+
+
+def _logs(step: int, *, nan: bool) -> dict[str, float]:
+    """One step's `trainer.state.log_history` entry of a GRPOTrainer, numbers only (what MLflowCallback keeps)."""
+    m = {"loss": 0.02 + 0.001 * step, "grad_norm": 0.5 + 0.05 * step, "learning_rate": 1e-6 * (1 - step / 10),
+         "num_tokens": 64.0 * step, "completions/mean_length": 4.0, "completions/clipped_ratio": 1.0,
+         "rewards/reward_len/mean": 10.0 + 0.1 * step, "rewards/reward_len/std": 1.0,
+         "reward": 10.0 + 0.1 * step, "reward_std": 1.0 + 0.01 * step, "frac_reward_zero_std": 0.0,
+         "kl": 0.001 * step, "entropy": 2.5 - 0.01 * step, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0,
+         "clip_ratio/region_mean": 0.001 * (step % 3), "epoch": step / 8}
+    if nan and step >= NAN_FROM:
+        m["grad_norm"] = math.nan
+    if nan and step > LAST_KL:
+        del m["kl"], m["entropy"]
+    return m
+
+
+def write_trl_runs(uri: str, experiment: str = "trl-short") -> tuple[str, str]:
+    """(reference id, candidate id): the two runs of the module docstring, the reference created first."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    ids = []
+    for i, (name, nan) in enumerate((("grpo-ok", False), ("grpo-nan", True))):
+        rid = client.create_run(exp_id, start_time=T0_MS + 1000 * i, run_name=name).info.run_id
+        client.log_batch(rid, params=[Param(k, v) for k, v in {"learning_rate": "1e-06", "max_steps": "8",
+                                                               "beta": "0.1"}.items()])
+        for s in STEPS:  # MLflowCallback.on_log: one log_metrics call a step, at step=state.global_step
+            log_raw(uri, rid, [(k, v, T0_MS + 1000 * i + s, s) for k, v in _logs(s, nan=nan).items()])
+        client.set_terminated(rid)
+        ids.append(rid)
+    return ids[0], ids[1]
+
+
+def _line_of(markdown: str, label: str) -> str:
+    [line] = [ln for ln in markdown.splitlines() if ln.startswith(f"- {label}:")]
+    return re.sub(r"\\(.)", r"\1", line[2:])  # "- " and the Markdown escapes undone
+
+
+def test_report_headlines_nan_first_and_never_within_on_too_few_steps(store_uri):
+    ref, cand = write_trl_runs(store_uri)
+    report = build_report(store_uri, reference=ref, candidates=cand)
+    assert set(report.content.keys) == {K.GRAD_NORM, K.LOSS, K.KL_REF, K.ENTROPY, K.REWARD_MEAN, K.REWARD_STD,
+                                        K.canonical_key("clip_ratio/region_mean")}  # TRL's names, mapped
+    [printed] = departure_lines(report)  # what `rldiag report` prints
+    md_line = _line_of(report.markdown, "grpo-nan")
+    for line in (printed, md_line):
+        assert line.startswith("grpo-nan: non-finite gradients from step 4 (5 steps)"), line
+        assert f"not enough steps (8 compared, {NEEDED} needed)" in line
+        assert f"{K.KL_REF} (last logged at step 4)" in line and f"{K.ENTROPY} (last logged at step 4)" in line
+        assert "not compared: " in line and K.GRAD_NORM in line.split("not compared: ")[1]  # 3 finite points
+    assert "<li>grpo-nan: non-finite gradients from step 4" in report.html
+    for text in (report.markdown, report.html, printed):
+        assert "within the reference band" not in text and "within the band" not in text
+    # every comparison is thin: 8 steps (or fewer) against the 15 a departure needs
+    div = report.divergence.set_index("key")
+    assert set(div["status"]) == {"not_enough_steps"}
+    assert div.loc[K.KL_REF, "steps_compared"] == 0 and div.loc[K.LOSS, "steps_compared"] == 8
+    assert report.summaries[0].status == "nonfinite" and report.summaries[0].first_nonfinite_step == NAN_FROM
+
+
+def test_report_tables_print_nan_and_mark_the_metric_that_stopped(store_uri):
+    ref, cand = write_trl_runs(store_uri)
+    report = build_report(store_uri, reference=ref, candidates=cand)
+    md = report.markdown
+    events = md.split("### Non-finite gradients", 1)[1].split("\n### ", 1)[0]
+    [row] = [ln for ln in events.splitlines() if ln.startswith("| grpo-nan")]
+    assert [c.strip() for c in row.strip("|").split("|")][1:4] == ["5", "4-8", "NaN"]  # steps, at steps, grad norm
+    thin = md.split("### Divergence from the references", 1)[1].split("\n### ", 1)[0]
+    [kl] = [ln for ln in thin.splitlines() if ln.startswith("| grpo-nan | policy/kl\\_ref")]
+    assert "not compared (0 steps)" in kl and "last logged at step 4" in kl
+    [loss] = [ln for ln in thin.splitlines() if ln.startswith("| grpo-nan | loss")]
+    assert f"not enough steps (8 compared, {NEEDED} needed)" in loss
+    page = report.html
+    nan_rows = page.split('id="nan"', 1)[1].split("</section>", 1)[0]
+    assert '<td class="num">NaN</td>' in nan_rows and "None" not in nan_rows and '<td class="num">-</td>' not in nan_rows
+    assert "last logged at step 4" in page.split('id="divergence"', 1)[1].split("</section>", 1)[0]
