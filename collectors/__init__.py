@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "GradReport": "rldiag.collectors.gradcheck",
     "LogitsProbe": "rldiag.collectors.gradcheck",
     "check_gradients": "rldiag.collectors.gradcheck",
+    "clip_active_rate": "rldiag.collectors.metrics",
     "clip_rate": "rldiag.collectors.metrics",
     "entropy_from_logits": "rldiag.collectors.metrics",
     "kl_new_old": "rldiag.collectors.metrics",
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below loads 
     from rldiag.collectors.alerts import AlertDispatcher, JsonlSink, LoggingSink, NonFiniteGradAlert, WebhookSink
     from rldiag.collectors.gradcheck import GradReport, LogitsProbe, check_gradients
     from rldiag.collectors.metrics import (
+        clip_active_rate,
         clip_rate,
         entropy_from_logits,
         kl_new_old,
@@ -63,6 +65,7 @@ __all__ = [
     "NonFiniteGradientError",
     "WebhookSink",
     "check_gradients",
+    "clip_active_rate",
     "clip_rate",
     "entropy_from_logits",
     "kl_new_old",

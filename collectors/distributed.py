@@ -24,6 +24,7 @@ Tensor = torch.Tensor
 # Means weighted by a batch count that policy_metrics logs beside them.
 WEIGHTED = {
     keys.CLIP_RATE: keys.BATCH_TOKENS,
+    keys.CLIP_ACTIVE_RATE: keys.BATCH_TOKENS,
     keys.RATIO_MEAN: keys.BATCH_TOKENS,
     keys.KL_NEW_OLD: keys.BATCH_TOKENS,
     keys.KL_NEW_OLD_K1: keys.BATCH_TOKENS,

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 # --- policy (trainer vs rollout policy) -------------------------------------------------------
 CLIP_RATE = "policy/clip_rate"
+# tokens where the clipped branch of the PPO/GRPO objective is active (outside the band on the side the
+# advantage's sign makes binding): about half of CLIP_RATE on a random batch, so never aliased to it
+CLIP_ACTIVE_RATE = "policy/clip_active_rate"
 CLIP_RATE_SEQ = "policy/clip_rate_seq"
 RATIO_MEAN = "policy/ratio_mean"
 RATIO_MAX = "policy/ratio_max"
@@ -40,6 +43,7 @@ BATCH_REWARDS = "batch/rewards"
 
 CANONICAL_METRICS: tuple[str, ...] = (
     CLIP_RATE,
+    CLIP_ACTIVE_RATE,
     CLIP_RATE_SEQ,
     RATIO_MEAN,
     RATIO_MAX,
@@ -68,7 +72,7 @@ ALIASES: dict[str, str] = {
     "grad_norm": GRAD_NORM,
     "kl": KL_REF,  # TRL: KL(policy || reference model), logged when beta != 0
     "entropy": ENTROPY,
-    "clip_ratio/region_mean": CLIP_RATE,
+    "clip_ratio/region_mean": CLIP_ACTIVE_RATE,  # see ALIAS_NOTES
     "reward": REWARD_MEAN,
     "reward_std": REWARD_STD,
     "train/grad_norm": GRAD_NORM,
@@ -77,10 +81,23 @@ ALIASES: dict[str, str] = {
     "kl_new_old": KL_NEW_OLD,
     "clamp_log_ratio_new_old_indicator": CLIP_RATE,
     # verl
-    "actor/pg_clipfrac": CLIP_RATE,
+    "actor/pg_clipfrac": CLIP_ACTIVE_RATE,
     "actor/entropy": ENTROPY,
     "actor/grad_norm": GRAD_NORM,
     "training/rollout_probs_diff_max": MISMATCH_PROB_MAX,
+    # OpenRLHF
+    "ppo_clip_ratio": CLIP_ACTIVE_RATE,
+}
+
+# Where an aliased name's definition differs from the canonical key's in aggregation or scaling: the
+# dashboard and the report show these notes beside the metric. A name with a different *definition*
+# (e.g. TRL's `clip_ratio/region_mean`, active clipping, vs `policy/clip_rate`, every token outside the
+# band) is aliased to the key that matches it, never to a near one.
+ALIAS_NOTES: dict[str, str] = {
+    "clip_ratio/region_mean": "TRL: per token, or per sequence under GSPO (importance_sampling_level='sequence')",
+    "entropy": "TRL: entropy of the temperature-scaled distribution (logits / temperature)",
+    "kl": "TRL: KL to the reference model (k3), logged only when beta != 0",
+    "actor/pg_clipfrac": "verl: token mean over the micro-batch, then averaged over micro-batches",
 }
 
 

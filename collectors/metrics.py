@@ -73,10 +73,33 @@ def clip_rate(
 ) -> Tensor:
     """Fraction of valid tokens whose ratio `r = exp(lp_new - lp_old)` lies outside `[1-eps_low, 1+eps_high]`.
 
-    PipelineRL's `clamp_log_ratio_new_old_indicator`, TRL's `clip_ratio/region_mean`.
+    PipelineRL's `clamp_log_ratio_new_old_indicator`. Not TRL's `clip_ratio/region_mean`, which counts
+    only the tokens where the clip binds (`clip_active_rate`).
     """
     m, _, r = _prepared(lp_new, lp_old, mask)
     return masked_mean(_outside(r, eps_low, eps_high), m)
+
+
+def _active(r: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    adv = advantages if advantages.dim() == r.dim() else advantages.reshape(*advantages.shape, *[1] * (r.dim() - advantages.dim()))
+    return ((adv > 0) & (r > 1 + eps_high)) | ((adv < 0) & (r < 1 - eps_low))
+
+
+@torch.no_grad()
+def clip_active_rate(
+    lp_new: Tensor, lp_old: Tensor, advantages: Tensor, mask: Tensor | None = None, *, eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> Tensor:
+    """Fraction of valid tokens where the clipped branch of the PPO/GRPO objective is active: the ratio
+    is above `1+eps_high` with a positive advantage, or below `1-eps_low` with a negative one (there the
+    clipped term is the minimum and the token's gradient is zero).
+
+    `advantages`: `[B]` (one per sequence, as GRPO) or `[B, T]`. TRL's `clip_ratio/region_mean`, verl's
+    `actor/pg_clipfrac`, OpenRLHF's `ppo_clip_ratio`. About half of `clip_rate` when advantage signs are
+    independent of the ratio.
+    """
+    m, _, r = _prepared(lp_new, lp_old, mask)
+    return masked_mean(_active(r, advantages.to(r.device), eps_low, eps_high), m)
 
 
 def _sequence_ratio(lr: Tensor, m: Tensor) -> Tensor:
@@ -202,11 +225,13 @@ def policy_metrics(
     logits: Tensor | None = None,
     rewards: Tensor | None = None,
     lp_trainer_at_rollout: Tensor | None = None,
+    advantages: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Every canonical policy metric that the given tensors allow, as `{key: 0-d tensor}`, with the
     batch sizes behind them (`batch/valid_tokens`, `batch/sequences`, `batch/rewards`: the weights
     that reduce the means across ranks).
 
+    `advantages` (`[B]` or `[B, T]`) add `policy/clip_active_rate` beside `policy/clip_rate`.
     `lp_trainer_at_rollout`: the trainer's logprobs at the rollout weights (before any update) for the
     mismatch metrics against `lp_old` (the engine's). On the first minibatch of an on-policy step that
     is `lp_new` itself.
@@ -218,6 +243,8 @@ def policy_metrics(
         keys.CLIP_RATE: masked_mean(_outside(r, eps_low, eps_high), m),
         keys.CLIP_RATE_SEQ: masked_mean(_outside(_sequence_ratio(lr, m), eps_low, eps_high), m.any(-1)),
     }
+    if advantages is not None:
+        out[keys.CLIP_ACTIVE_RATE] = masked_mean(_active(r, advantages.to(r.device), eps_low, eps_high), m)
     rs = _ratio_stats(r, m)
     out[keys.RATIO_MEAN], out[keys.RATIO_MAX] = rs.mean, rs.max
     kl = _kl(lr, r, m)

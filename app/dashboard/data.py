@@ -171,7 +171,7 @@ def grid(stamp: tuple, _h: Histories, metric_keys: tuple[str, ...], run_ids: tup
 # ---- pure helpers the pages share ---------------------------------------------------------------
 
 DEFAULT_METRICS: tuple[str, ...] = (
-    keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.KL_REF, keys.ENTROPY, keys.REWARD_MEAN,
+    keys.RATIO_MEAN, keys.CLIP_RATE, keys.CLIP_ACTIVE_RATE, keys.KL_NEW_OLD, keys.KL_REF, keys.ENTROPY, keys.REWARD_MEAN,
     keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS,
 )
 

@@ -12,6 +12,7 @@ from torch.testing import assert_close
 
 from rldiag.collectors import keys
 from rldiag.collectors.metrics import (
+    clip_active_rate,
     clip_rate,
     entropy_from_logits,
     kl_new_old,
@@ -532,3 +533,31 @@ def test_pack_keeps_order_on_the_tensors_device_without_leaving_it():
     assert v.dtype == torch.float64 and v.device == torch.device("cpu")
     assert_close(v, torch.tensor([0.5, 2.0, 0.25], dtype=torch.float64))
     assert pack({}).numel() == 0
+
+
+# --- clip_active_rate: the clip binds only on the side the advantage's sign makes binding -------------
+
+def test_clip_active_rate_counts_only_the_binding_side():
+    # ratios exp(lp_new - lp_old) per token: [1.5, 0.5, 1.0, 1.5] and [0.5, 1.5, 1.0, pad]; eps 0.2.
+    # Outside the band: 1.5 and 0.5 -> 5 of the 7 valid tokens (clip_rate 5/7).
+    # Advantages +1 for row 0, -1 for row 1: binding where r > 1.2 in row 0 (tokens 0, 3) and
+    # r < 0.8 in row 1 (token 0) -> 3 of 7 (TRL's clip_ratio/region_mean, verl's pg_clipfrac).
+    r = torch.tensor([[1.5, 0.5, 1.0, 1.5], [0.5, 1.5, 1.0, 1.0]])
+    lp_old = torch.zeros(2, 4)
+    lp_new = r.log()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    assert_close(clip_rate(lp_new, lp_old, mask), torch.tensor(5 / 7))
+    assert_close(clip_active_rate(lp_new, lp_old, adv, mask), torch.tensor(3 / 7))
+    token_adv = adv[:, None].expand(2, 4)  # [B, T] advantages give the same
+    assert_close(clip_active_rate(lp_new, lp_old, token_adv, mask), torch.tensor(3 / 7))
+    stats = policy_metrics(lp_new, lp_old, mask, advantages=adv)
+    assert_close(stats[keys.CLIP_ACTIVE_RATE], torch.tensor(3 / 7))
+    assert keys.CLIP_ACTIVE_RATE not in policy_metrics(lp_new, lp_old, mask)  # needs the advantages
+
+
+def test_trl_verl_and_openrlhf_clip_names_alias_the_active_rate_not_the_band_rate():
+    for name in ("clip_ratio/region_mean", "actor/pg_clipfrac", "ppo_clip_ratio"):
+        assert keys.canonical_key(name) == keys.CLIP_ACTIVE_RATE
+    assert keys.canonical_key("clamp_log_ratio_new_old_indicator") == keys.CLIP_RATE  # PipelineRL: every token
+    assert "clip_ratio/region_mean" in keys.ALIAS_NOTES  # GSPO's sequence level is said

@@ -25,6 +25,7 @@ EXPECTED_ALL = [
     "NonFiniteGradientError",
     "WebhookSink",
     "check_gradients",
+    "clip_active_rate",
     "clip_rate",
     "entropy_from_logits",
     "kl_new_old",

@@ -406,7 +406,7 @@ def test_grpo_metrics_under_trl_names_and_canonical_keys(uri, tmp_path):
     logs = {h["step"]: h for h in trainer.state.log_history if "reward" in h}
     for trl_name, canonical in [("reward", keys.REWARD_MEAN), ("reward_std", keys.REWARD_STD),
                                 ("kl", keys.KL_REF), ("entropy", keys.ENTROPY),
-                                ("clip_ratio/region_mean", keys.CLIP_RATE), ("grad_norm", keys.GRAD_NORM)]:
+                                ("clip_ratio/region_mean", keys.CLIP_ACTIVE_RATE), ("grad_norm", keys.GRAD_NORM)]:
         expected = {s: h[trl_name] for s, h in logs.items()}
         assert history(client, rid, trl_name) == pytest.approx(expected), trl_name
         assert history(client, rid, canonical) == pytest.approx(expected, rel=1e-5), canonical

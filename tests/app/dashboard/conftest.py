@@ -91,7 +91,7 @@ def dash_store(tmp_path_factory, template_db) -> DashStore:
                                                              keys.TAG_ALERT_LAST: json.dumps(alert)})
         trl = _series(5)
         trl_names = {keys.GRAD_NORM: "grad_norm", keys.KL_NEW_OLD: "kl", keys.ENTROPY: "entropy",
-                     keys.REWARD_MEAN: "reward", keys.CLIP_RATE: "clip_ratio/region_mean"}
+                     keys.REWARD_MEAN: "reward", keys.CLIP_ACTIVE_RATE: "clip_ratio/region_mean"}
         ids["trl run"] = write_run(uri, experiment="dash", name="trl run",
                                    steps=_steps({trl_names[k]: v for k, v in trl.items() if k in trl_names}))
         ids["throughput only"] = write_run(uri, experiment="dash", name="throughput only",

@@ -122,10 +122,10 @@ def test_foreign_names_show_up_under_canonical_keys(store_uri):
     b = _trl_run(store_uri)
     both = write_run(store_uri, name="both", steps=[(s, {keys.GRAD_NORM: 1.0}) for s in range(3)])
     log_raw(store_uri, both, [("grad_norm", 9.0, T0_MS, s) for s in range(3)])
-    wanted = [keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_RATE, keys.REWARD_MEAN]
+    wanted = [keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_ACTIVE_RATE, keys.REWARD_MEAN]
     h = load_histories(open_store(store_uri), [b, both], wanted)
     assert {k for r, k in h.traces if r == b} == set(wanted)
-    assert h.get(b, keys.CLIP_RATE).source_key == "clip_ratio/region_mean"
+    assert h.get(b, keys.CLIP_ACTIVE_RATE).source_key == "clip_ratio/region_mean"
     assert h.get(b, "kl") is h.get(b, keys.KL_REF)  # TRL kl: KL to the reference model
     np.testing.assert_allclose(h.get(b, keys.REWARD_MEAN).values, [0.5 + 0.01 * s for s in range(1, 30)])
     assert h.get(both, keys.GRAD_NORM).values.tolist() == [1.0, 1.0, 1.0]  # the canonical name wins
@@ -321,10 +321,10 @@ def test_trl_grpo_report_to_mlflow_shows_canonical_keys(store_uri, tmp_path):
 
     runs = find_runs(open_store(store_uri), experiments="trl-grpo")
     rid = runs.run_id.iloc[0]
-    assert {keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_RATE, keys.REWARD_MEAN} <= set(runs.metrics.iloc[0])
-    h = load_histories(open_store(store_uri), [rid], [keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_RATE, keys.REWARD_MEAN])
+    assert {keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_ACTIVE_RATE, keys.REWARD_MEAN} <= set(runs.metrics.iloc[0])
+    h = load_histories(open_store(store_uri), [rid], [keys.GRAD_NORM, keys.KL_REF, keys.ENTROPY, keys.CLIP_ACTIVE_RATE, keys.REWARD_MEAN])
     for trl_name, canonical in [("grad_norm", keys.GRAD_NORM), ("kl", keys.KL_REF), ("entropy", keys.ENTROPY),
-                                ("clip_ratio/region_mean", keys.CLIP_RATE), ("reward", keys.REWARD_MEAN)]:
+                                ("clip_ratio/region_mean", keys.CLIP_ACTIVE_RATE), ("reward", keys.REWARD_MEAN)]:
         t = h.get(rid, canonical)
         assert t.source_key == trl_name
         assert t.steps.tolist() == [entry["step"] for entry in logs]

@@ -65,7 +65,7 @@ def test_foreign_metric_names_count_as_canonical(store_uri):
     other = write_run(store_uri, experiment="trl", name="no rl metrics")
     log_raw(store_uri, other, [("learning_rate", 1e-5, 1, 1)])
     runs = find_runs(open_store(store_uri), experiments="trl")
-    assert runs.set_index("run_id").loc[rid, "metrics"] == (keys.GRAD_NORM, "learning_rate", keys.CLIP_RATE)  # sorted
+    assert runs.set_index("run_id").loc[rid, "metrics"] == (keys.GRAD_NORM, "learning_rate", keys.CLIP_ACTIVE_RATE)  # sorted
     has_rl = dict(zip(runs.run_id, runs_with_metrics(runs)))
     assert has_rl == {rid: True, other: False}  # the dashboard says which runs have no canonical metric
 
