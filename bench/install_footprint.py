@@ -216,7 +216,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--runs", type=int, default=5, help="fresh interpreters per import timing (default: 5)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/install_footprint.json)")
     ap.add_argument("--keep", action="store_true", help="keep the venvs (their folder is printed)")
+    ap.add_argument("--quick", action="store_true", help="3 fresh interpreters per import timing (bench.run_all --quick)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.runs = min(args.runs, 3)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if bad := [v for v in variants if v not in VARIANTS]:
         ap.error(f"unknown variant(s) {bad}: use {', '.join(VARIANTS)}")
