@@ -27,3 +27,14 @@ def mlflow_server(tmp_path: Path):
     server.start()
     yield server
     server.kill()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The whole run loaded each module once: as `rldiag.<part>.x`, never also under a bare folder name
+    (`collectors.x`, `app.x`, `experiments.x`, importable because the repository root is on sys.path)."""
+    import sys
+
+    bare = sorted(m for m in sys.modules if m.split(".")[0] in ("app", "collectors", "experiments"))
+    if bare:
+        print(f"\nmodules loaded under a bare folder name (import rldiag.<name> instead): {bare}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
