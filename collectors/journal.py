@@ -3,7 +3,10 @@
 One JSON object per line:
 - `{"rldiag_journal": 1, "run_id": ..., "tracking_uri": ...}`: the header, first line;
 - `{"seq": N, "m": [[key, value, timestamp_ms, step], ...], "t": {tag: value}}`: a batch;
-- `{"ack": [N, ...]}`: batches that reached the store.
+- `{"ack": [N, ...]}`: batches that reached the store;
+- `{"refused": [[entry, reason], ...]}`: metric points (`[key, value, timestamp_ms, step]`) and tags
+  (`[key, value]`) the store refused for good, written before the ack of their batch: set aside, never
+  replayed, kept here for the record.
 
 A batch without an ack is replayed: automatically when a writer starts again for the same run, or by
 `rldiag sync FILE`. Replays keep each point's original timestamp, and MLflow's SQL stores ignore an
@@ -47,6 +50,7 @@ class JournalContents:
     pending: list[Batch]
     corrupt_lines: int
     max_seq: int
+    refused: int = 0  # entries recorded as refused by the store for good (not replayed)
 
 
 def journal_path(spill_dir: str | os.PathLike, run_id: str) -> Path:
@@ -59,6 +63,7 @@ def read_journal(path: str | os.PathLike) -> JournalContents:
     batches: dict[int, Batch] = {}
     acked: set[int] = set()
     corrupt = 0
+    refused = 0
     max_seq = -1
     if not stat.S_ISREG(os.stat(path).st_mode):  # a device or FIFO would read forever (/dev/zero, /dev/full)
         raise OSError(errno.EINVAL, f"{path} is not a regular file, so not a journal")
@@ -70,6 +75,8 @@ def read_journal(path: str | os.PathLike) -> JournalContents:
                     run_id, uri = obj.get("run_id"), obj.get("tracking_uri")
                 elif "ack" in obj:
                     acked.update(int(s) for s in obj["ack"])
+                elif "refused" in obj:
+                    refused += len(obj["refused"])
                 else:
                     seq = int(obj["seq"])
                     points = [(str(k), float(v), int(ts), int(st)) for k, v, ts, st in obj.get("m", [])]
@@ -79,7 +86,7 @@ def read_journal(path: str | os.PathLike) -> JournalContents:
             except (ValueError, TypeError, KeyError, AttributeError):
                 corrupt += 1
     pending = [b for s, b in sorted(batches.items()) if s not in acked]
-    return JournalContents(run_id, uri, pending, corrupt, max_seq)
+    return JournalContents(run_id, uri, pending, corrupt, max_seq, refused)
 
 
 class Journal:
@@ -108,6 +115,10 @@ class Journal:
 
     def ack(self, seqs: list[int]) -> None:
         self._write({"ack": seqs})
+
+    def refuse(self, entries: list[tuple[tuple, str]]) -> None:
+        """Record entries the store refused for good, each with the store's reason."""
+        self._write({"refused": [[list(e), why] for e, why in entries]})
 
     def close(self, *, delete: bool) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ from typing import Any
 
 from rldiag.collectors.compat.mlflow import rest_host_creds, tracking_store
 from rldiag.collectors.journal import Point
+from rldiag.collectors.limits import Refused
 from rldiag.collectors.uri import is_http, probe_server, redact_uri
 
 log = logging.getLogger("rldiag.mlflow")
@@ -60,8 +61,23 @@ def log_batch_json(run_id: str, metrics: list[Point], tags: Mapping[str, str], k
     return f'{{"run_id":{json.dumps(run_id)},"metrics":[{",".join(parts)}],"tags":[{tag_json}]}}'
 
 
+# 4xx answers that say "not now" rather than "never": retried like an outage.
+RETRY_HTTP_STATUS = frozenset({408, 409, 425, 429, 499})
+
+
+def refused_for_good(http_status: int) -> bool:
+    """True for an HTTP status that refuses the request itself (400 invalid parameter, 404, 413 ...):
+    sending it again would be refused again. 5xx, 408, 409, 429 may pass: the writer retries those."""
+    return 400 <= http_status < 500 and http_status not in RETRY_HTTP_STATUS
+
+
 def make_sender(tracking_uri: str, *, request_timeout_s: float = 60.0):
     """`send(run_id, metrics, tags)` for the writer: one `log_batch` call, no internal retries.
+
+    It raises the writer's `Refused` when the store refuses the call for good (MLflow's validation
+    errors: INVALID_PARAMETER_VALUE, a 4xx answer; see `refused_for_good`), which the writer answers by
+    isolating and setting aside the refused entries; any other error (connection refused or reset, a
+    timeout, 5xx, 429, SQLite's "database is locked") propagates and the writer retries.
 
     Over REST it posts to `runs/log-batch` itself with `max_retries=0`, so a down server fails fast
     and the writer's own back-off (which never blocks training) decides when to try again; MLflow's
@@ -91,13 +107,24 @@ def make_sender(tracking_uri: str, *, request_timeout_s: float = 60.0):
                 data=log_batch_json(run_id, metrics, tags, key_json).encode(),
                 extra_headers={"Content-Type": "application/json"},
             )
+            if refused_for_good(resp.status_code):  # by status: a proxy's 413 or 403 is not MLflow JSON
+                raise Refused(f"HTTP {resp.status_code} from {endpoint}: {resp.text[:300]}")
             verify_rest_response(resp, endpoint)
 
         return send
 
+    from mlflow.exceptions import MlflowException
+
     def send(run_id: str, metrics: list[Point], tags: dict[str, str]) -> None:
         ms, ts = entities(metrics, tags)
-        store.log_batch(run_id, metrics=ms, params=[], tags=ts)
+        try:
+            store.log_batch(run_id, metrics=ms, params=[], tags=ts)
+        except MlflowException as e:
+            # The SQL store's validation errors are INVALID_PARAMETER_VALUE (HTTP 400); a locked or
+            # lost database is TEMPORARILY_UNAVAILABLE (503), other failures INTERNAL_ERROR (500).
+            if refused_for_good(e.get_http_status_code()):
+                raise Refused(f"{e.error_code}: {e.message}"[:500]) from e
+            raise
 
     return send
 

@@ -17,8 +17,11 @@ def sync_journal(path: str | Path, *, tracking_uri: str | None = None, send: Sen
                  timeout_s: float = 120.0) -> tuple[WriterStats, int]:
     """Deliver a journal's unacknowledged batches; returns the writer's stats and the damaged-line count.
 
-    The store is `tracking_uri`, else the one the journal names, else the default. The file is removed
-    once everything in it is delivered, and kept (with acks for what was delivered) otherwise.
+    The store is `tracking_uri`, else the one the journal names, else the default. Calls stay within
+    MLflow's limits whatever the journal's batches hold (older rldiag wrote 1000 points plus tags in
+    one); points the store refuses for good are set aside with a warning and counted in
+    `stats.refused`, and never hold up the rest. The file is removed once everything in it is
+    delivered or set aside, and kept (with acks for what was delivered) otherwise.
     """
     path = Path(path)
     if not path.is_file():

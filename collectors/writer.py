@@ -4,12 +4,19 @@
                                                      └──► pending batches ──► sender thread ──► store
 
 - `log_metrics` / `set_tags` only put a tuple on an unbounded queue: they never wait on I/O.
-- The ingest thread validates (bad values are counted and warned about once per key, keys MLflow
-  rejects are cleaned), adds the inf flags (`keys.inf_flag_key`), and journals each batch.
-- The sender merges pending batches up to `max_batch` metrics (MLflow's limit is 1000 a call), sends
-  them once a full batch is pending or the oldest has waited `send_interval_s` (fewer store calls
-  competing with training for the CPU), and acks them in the journal. While the store is unreachable it retries with exponential
-  back-off, keeping order; nothing is dropped.
+- The ingest thread validates (bad values are counted and warned about once per key; keys are checked
+  against MLflow's own rules, `key_problem`, and cleaned with a warning once per key), adds the inf
+  flags (`keys.inf_flag_key`), and journals each batch.
+- The sender merges pending batches up to `max_batch` entries, sends them once a full batch is
+  pending or the oldest has waited `send_interval_s` (fewer store calls competing with training for
+  the CPU), and acks them in the journal. Every call stays within MLflow's limits: metrics + params +
+  tags <= 1000, tags <= 100, request body <= 1 MB (`_chunks`). A send that fails for a reason that
+  can pass (the store down, a timeout, 5xx, 429, a locked database) is retried with exponential
+  back-off, keeping order; nothing is dropped. A send the store refuses for good (`Refused`: a
+  validation error) is split until the refused entries are isolated; those are set aside with one
+  warning per key, counted in `stats.refused` and recorded in the journal, and the rest is delivered.
+  If the store refuses even an empty batch for the run (run deleted, no permission), the refusal is
+  about the run, not the points: they are kept and retried like an outage.
 - `close()` drains with a bounded wait. What is still undelivered is counted and reported with the
   journal's path and the `rldiag sync` command that replays it; a fully delivered journal is removed.
   A writer started again for the same run replays its journal first.
@@ -24,7 +31,6 @@ import atexit
 import logging
 import math
 import queue
-import re
 import threading
 import time
 import weakref
@@ -35,36 +41,45 @@ from pathlib import Path
 
 from rldiag.collectors import keys
 from rldiag.collectors.journal import Batch, Journal, Point, journal_path, read_journal
+from rldiag.collectors.limits import (
+    ENVELOPE_JSON,
+    MAX_BATCH,
+    MAX_INT64,
+    MAX_KEY_CHARS,
+    MAX_METRIC_KEY_CHARS,
+    MAX_REQUEST_BYTES,
+    MAX_TAG_VALUE_CHARS,
+    MAX_TAGS,
+    Entry,
+    Refused,
+    clean_key,
+    entry_bytes,
+    entry_problem,
+    entry_text,
+    json_len,
+    key_problem,
+)
 
 log = logging.getLogger("rldiag.writer")
 
-# send(run_id, metrics, tags): raise on failure; must be safe to call again with the same points.
+# send(run_id, metrics, tags): one store call. Raise `Refused` when the store refuses it for good, any
+# other exception when it may pass; must be safe to call again with the same points, and to call with
+# no metrics and no tags (the writer's probe of whether the store takes anything for the run).
 SendFn = Callable[[str, list[Point], dict[str, str]], None]
-
-MAX_BATCH = 1000  # MLflow refuses more than 1000 metrics in one batch call
-MAX_TAGS = 100
-_KEY_OK = re.compile(r"^[/\w.\- :]*$")
-
-
-def clean_key(key: str) -> str:
-    """A metric key MLflow accepts: allowed characters only, no empty path segments, <= 250 chars."""
-    if _KEY_OK.match(key) and len(key) <= 250 and not key.startswith("/") and not key.endswith("/") and "//" not in key:
-        return key
-    cleaned = re.sub(r"[^/\w.\- :]", "_", key)
-    cleaned = "/".join(part for part in cleaned.split("/") if part) or "_"
-    return cleaned[:250]
 
 
 @dataclass
 class WriterStats:
     enqueued: int = 0  # points accepted from the caller (inf flags not counted)
     delivered: int = 0  # metric points and tags the store acknowledged (inf flags and alert tags included)
-    rejected: int = 0  # values that are not numbers (None, str, ...): warned about, not written
+    rejected: int = 0  # values that are not numbers (None, str, ...), steps past int64: warned about, not written
+    refused: int = 0  # points and tags the store refused for good: warned about, set aside, the rest delivered
     replayed: int = 0  # points delivered from an earlier journal of the same run
     undelivered: int = 0  # set by close(): points still only in the journal
-    send_failures: int = 0
+    send_failures: int = 0  # store calls that failed and were retried
     journal_errors: int = 0
     last_error: str | None = None
+    last_refusal: str | None = None  # the latest refused entry and the store's reason
 
 
 class _Flush:
@@ -99,7 +114,8 @@ class MetricWriter:
         if linger_s < 0:
             raise ValueError(f"linger_s={linger_s}: use 0 or more seconds (how often queued points are taken)")
         if not 1 <= max_batch <= MAX_BATCH:
-            raise ValueError(f"max_batch={max_batch} is outside 1..{MAX_BATCH} (MLflow's batch limit)")
+            raise ValueError(f"max_batch={max_batch} is outside 1..{MAX_BATCH} (MLflow's limit of metrics, "
+                             "params and tags in one call)")
         self.run_id = run_id
         self.stats = WriterStats()
         self._send = send
@@ -119,8 +135,11 @@ class MetricWriter:
         self._closed = False
         self._warned: set[str] = set()
         self._key_cache: dict[str, str] = {}
+        self._tag_key_cache: dict[str, str] = {}
         self._seq = 0
         self._inflight: list[Batch] = []
+        self._inflight_done = 0  # entries of the in-flight group already delivered or set aside
+        self._delay = backoff_s[0]
         self.journal: Journal | None = None
         if spill_dir is not None or journal_file is not None:
             path = Path(journal_file) if journal_file is not None else journal_path(spill_dir, run_id)
@@ -173,6 +192,7 @@ class MetricWriter:
         with self._cv:
             self._cv.notify_all()
             left = sum(b.size for b in [*self._pending, *self._inflight] if isinstance(b, Batch))
+            left -= self._inflight_done if self._inflight else 0
         self.stats.undelivered = left + self._q.qsize()  # qsize: items the ingest thread never reached
         if self.journal is not None:
             self.journal.close(delete=self.stats.undelivered == 0 and self.stats.journal_errors == 0)
@@ -185,6 +205,12 @@ class MetricWriter:
             log.error(
                 "rldiag: %d metric points of run %s were not delivered (last error: %s). %s",
                 self.stats.undelivered, self.run_id, self.stats.last_error, where,
+            )
+        if self.stats.refused:
+            log.warning(
+                "rldiag: the store refused %d metric points/tags of run %s for good; they were set aside "
+                "(each key named in a warning; latest: %s) and held nothing else up.",
+                self.stats.refused, self.run_id, self.stats.last_refusal,
             )
         return self.stats
 
@@ -217,23 +243,50 @@ class MetricWriter:
                 else:
                     step, ts, payload = it
                     if step is None:
-                        tags.update({str(k): str(v) for k, v in payload.items()})
-                        if len(tags) >= MAX_TAGS:
-                            self._emit(buf, tags)
-                            buf, tags = [], {}
+                        self._convert_tags(payload, tags)
                     else:
                         self._convert(payload, step, ts, buf)
-                        if len(buf) >= self._max_batch:
-                            self._emit(buf[: self._max_batch], tags)
-                            buf, tags = buf[self._max_batch :], {}
-            while len(buf) >= self._max_batch:
-                self._emit(buf[: self._max_batch], {})
-                buf = buf[self._max_batch :]
+                    buf, tags = self._emit_full(buf, tags)
             self._emit(buf, tags)
             buf, tags = [], {}
         self._ingest_done.set()
 
+    def _emit_full(self, buf: list[Point], tags: dict[str, str]) -> tuple[list[Point], dict[str, str]]:
+        """Journal and queue full batches (at most `max_batch` entries, at most MAX_TAGS tags);
+        returns what is left over."""
+        while len(buf) + len(tags) >= self._max_batch or len(tags) >= MAX_TAGS:
+            if len(tags) > MAX_TAGS:
+                items = list(tags.items())
+                self._emit([], dict(items[:MAX_TAGS]))
+                tags = dict(items[MAX_TAGS:])
+                continue
+            cut = max(0, self._max_batch - len(tags))
+            self._emit(buf[:cut], tags)
+            buf, tags = buf[cut:], {}
+        return buf, tags
+
+    def _convert_tags(self, payload: Mapping, out: dict[str, str]) -> None:
+        for key, value in payload.items():
+            k = self._tag_key_cache.get(key)
+            if k is None:
+                k = self._tag_key_cache[key] = clean_key(str(key), MAX_KEY_CHARS)
+                if k != str(key):
+                    self._warn_once(f"tag-key:{key}", "rldiag: tag name %r is not accepted by MLflow (it %s); "
+                                    "setting it as %r", key, key_problem(str(key)), k)
+            v = str(value)
+            if len(v) > MAX_TAG_VALUE_CHARS:
+                self._warn_once(f"tag-value:{k}", "rldiag: tag %r is %d characters; MLflow keeps %d, setting it "
+                                "truncated", k, len(v), MAX_TAG_VALUE_CHARS)
+                v = v[:MAX_TAG_VALUE_CHARS]
+            out.pop(k, None)  # a tag set again moves to the end: the latest value is sent last
+            out[k] = v
+
     def _convert(self, payload: Mapping, step: int, ts: int, out: list[Point]) -> None:
+        if not -MAX_INT64 - 1 <= step <= MAX_INT64 or not 0 <= ts <= MAX_INT64:
+            self.stats.rejected += len(payload)
+            self._warn_once("step-range", "rldiag: metrics at step %d (timestamp %d) were not logged: MLflow "
+                            "stores steps as 64-bit integers and timestamps as non-negative ones", step, ts)
+            return
         for key, value in payload.items():
             try:
                 v = float(value)
@@ -246,9 +299,12 @@ class MetricWriter:
             k = self._key_cache.get(key)
             if k is None:
                 k = self._key_cache[key] = clean_key(str(key))
-                if k != key:
-                    self._warn_once(f"key:{key}", "rldiag: metric key %r is not accepted by MLflow; logging it as %r",
-                                    key, k)
+                if k != str(key):
+                    why = key_problem(str(key)) or (
+                        f"is over {MAX_METRIC_KEY_CHARS} characters, which leaves no room for its inf flag "
+                        f"{keys.INF_FLAG_PREFIX}<key> in MLflow's {MAX_KEY_CHARS}")
+                    self._warn_once(f"key:{key}", "rldiag: metric key %r is not accepted by MLflow (it %s); "
+                                    "logging it as %r", key, why, k)
             out.append((k, v, ts, step))
             if math.isinf(v):
                 out.append((keys.inf_flag_key(k), 1.0 if v > 0 else -1.0, ts, step))
@@ -294,7 +350,6 @@ class MetricWriter:
 
     # ---- sender thread ---------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        delay = self._backoff[0]
         while True:
             with self._cv:
                 while True:
@@ -308,53 +363,160 @@ class MetricWriter:
                 if isinstance(group, _Flush):
                     self._flushes_waiting -= 1
                 else:
-                    self._inflight = group
+                    self._inflight, self._inflight_done = group, 0
                     self._pending_points -= sum(b.size for b in group)
             if isinstance(group, _Flush):
                 group.event.set()
                 continue
-            while True:
-                try:
-                    metrics = [p for b in group for p in b.metrics]
-                    tags = {k: v for b in group for k, v in b.tags.items()}
-                    self._send(self.run_id, metrics, tags)
-                except Exception as e:  # noqa: BLE001 - any store error means: keep and retry
-                    self.stats.send_failures += 1
-                    self.stats.last_error = f"{type(e).__name__}: {e}"[:500]
-                    self._warn_once("send", "rldiag: tracking store unreachable for run %s (%s); retrying with "
-                                    "back-off, metrics are kept", self.run_id, self.stats.last_error)
-                    if self._give_up.wait(delay):
-                        return  # close() counts the in-flight group as undelivered
-                    delay = min(delay * 2, self._backoff[1])
+            if not self._deliver(group):
+                return  # close() gave up waiting; it counts what is left of the group as undelivered
+
+    def _deliver(self, group: list[Batch]) -> bool:
+        """Send a group in calls within MLflow's limits; retry what may pass, set aside what is refused
+        for good. False when close() gave up waiting."""
+        entries: list[Entry] = []
+        for b in group:
+            entries.extend(b.metrics)
+            entries.extend(b.tags.items())
+        todo = deque(self._chunks(entries))
+        refused: list[tuple[Entry, str]] = []
+        probed = False
+        while todo:
+            chunk = todo[0]
+            try:
+                self._send_entries(chunk)
+            except Refused as e:
+                reason = f"{e}"[:300]
+                local = [(x, entry_problem(x)) for x in chunk]
+                bad = [(x, f"{why}; the store said: {reason}") for x, why in local if why is not None]
+                if not bad and len(chunk) == 1:
+                    bad = [(chunk[0], reason)]
+                if bad or not probed:
+                    # Before splitting a group, and before setting anything aside: does the store take
+                    # an empty call for this run? If not, the refusal is about the run (deleted, no
+                    # permission) or the store went down meanwhile: keep everything and retry.
+                    verdict = self._probe_run()
+                    if verdict is not None:
+                        if not self._back_off(verdict, run_level=True):
+                            return False
+                        continue
+                    probed = True
+                    self._delay = self._backoff[0]  # the store answers and takes writes for the run
+                if not bad:  # not named by MLflow's rules: split the call to isolate what it refuses
+                    mid = len(chunk) // 2
+                    todo[0] = chunk[mid:]
+                    todo.appendleft(chunk[:mid])
                     continue
-                delay = self._backoff[0]
-                with self._cv:
-                    self._inflight = []
-                self.stats.delivered += sum(b.size for b in group)
-                self.stats.replayed += sum(b.size for b in group if b.replayed)
-                if self.journal is not None:
-                    try:
-                        self.journal.ack([b.seq for b in group])
-                    except ValueError:
-                        # close() gave up waiting and closed the journal while this batch was in flight:
-                        # it stays there unacknowledged, so a replay sends it again and the SQL stores
-                        # keep one copy of an identical point. Nothing is lost: no warning.
-                        pass
-                    except OSError as e:
-                        self._journal_failed(e)
-                break
+                for x, why in bad:
+                    self._set_aside(x, why)
+                refused.extend(bad)
+                self._done(len(bad))
+                rest = [x for x, why in local if why is None] if len(bad) < len(chunk) else []
+                if rest:
+                    todo[0] = rest
+                else:
+                    todo.popleft()
+                continue
+            except Exception as e:  # noqa: BLE001 - anything but a refusal may pass: keep and retry
+                if not self._back_off(e):
+                    return False
+                continue
+            self._delay = self._backoff[0]
+            todo.popleft()
+            self.stats.delivered += len(chunk)
+            if group[0].replayed:  # groups never mix replayed and new batches (_take_group)
+                self.stats.replayed += len(chunk)
+            self._done(len(chunk))
+        with self._cv:
+            self._inflight, self._inflight_done = [], 0
+        if self.journal is not None:
+            try:
+                if refused:
+                    self.journal.refuse(refused)
+                self.journal.ack([b.seq for b in group])
+            except ValueError:
+                # close() gave up waiting and closed the journal while this batch was in flight:
+                # it stays there unacknowledged, so a replay sends it again and the SQL stores
+                # keep one copy of an identical point. Nothing is lost: no warning.
+                pass
+            except OSError as e:
+                self._journal_failed(e)
+        return True
+
+    def _send_entries(self, chunk: list[Entry]) -> None:
+        metrics = [x for x in chunk if len(x) == 4]
+        tags = {x[0]: x[1] for x in chunk if len(x) == 2}
+        self._send(self.run_id, metrics, tags)
+
+    def _probe_run(self) -> Exception | None:
+        """After a refusal: does the store take an empty call for this run? None if it does (so the
+        refusal was about the entries); else the error (the run is deleted or missing, no permission,
+        or the store went down meanwhile), and the entries are kept."""
+        try:
+            self._send(self.run_id, [], {})
+        except Exception as e:  # noqa: BLE001 - any failure of the probe: keep the entries
+            return e
+        return None
+
+    def _back_off(self, e: Exception, *, run_level: bool = False) -> bool:
+        """Count a failed call, warn once, wait; False when close() gave up waiting."""
+        self.stats.send_failures += 1
+        self.stats.last_error = f"{type(e).__name__}: {e}"[:500]
+        if run_level and isinstance(e, Refused):
+            self._warn_once("run-refused", "rldiag: the tracking store refuses every write to run %s (%s); is the "
+                            "run deleted, or are the credentials wrong? Metrics are kept and retried with back-off",
+                            self.run_id, self.stats.last_error)
+        else:
+            self._warn_once("send", "rldiag: tracking store unreachable for run %s (%s); retrying with "
+                            "back-off, metrics are kept", self.run_id, self.stats.last_error)
+        if self._give_up.wait(self._delay):
+            return False
+        self._delay = min(self._delay * 2, self._backoff[1])
+        return True
+
+    def _set_aside(self, entry: Entry, why: str) -> None:
+        self.stats.refused += 1
+        self.stats.last_refusal = f"{entry_text(entry)}: {why}"[:500]
+        self._warn_once(f"refused:{len(entry)}:{entry[0]}", "rldiag: the store refused %s for good (%s); set aside, "
+                        "the rest is delivered (further refusals of this key are only counted, in stats.refused)",
+                        entry_text(entry), why)
+
+    def _done(self, n: int) -> None:
+        with self._cv:
+            self._inflight_done += n
+
+    def _chunks(self, entries: list[Entry]) -> list[list[Entry]]:
+        """`entries` in order, cut into store calls within MLflow's limits: at most `max_batch` entries
+        (metrics + tags), MAX_TAGS tags, MAX_REQUEST_BYTES of JSON body."""
+        chunks: list[list[Entry]] = []
+        cur: list[Entry] = []
+        ntags = nbytes = 0
+        budget = MAX_REQUEST_BYTES - ENVELOPE_JSON - json_len(self.run_id)
+        for e in entries:
+            is_tag = len(e) == 2
+            eb = entry_bytes(e)
+            if cur and (len(cur) >= self._max_batch or (is_tag and ntags >= MAX_TAGS) or nbytes + eb > budget):
+                chunks.append(cur)
+                cur, ntags, nbytes = [], 0, 0
+            cur.append(e)
+            ntags += is_tag
+            nbytes += eb
+        if cur:
+            chunks.append(cur)
+        return chunks
 
     def _take_group(self) -> list[Batch] | _Flush:
         first = self._pending.popleft()
         if isinstance(first, _Flush):
             return first
-        group, n, ntags = [first], len(first.metrics), len(first.tags)
+        group, n, ntags = [first], first.size, len(first.tags)
         while self._pending and isinstance(self._pending[0], Batch):
             nxt = self._pending[0]
-            if n + len(nxt.metrics) > self._max_batch or ntags + len(nxt.tags) > MAX_TAGS:
+            if (n + nxt.size > self._max_batch or ntags + len(nxt.tags) > MAX_TAGS
+                    or nxt.replayed != first.replayed):
                 break
             group.append(self._pending.popleft())
-            n += len(nxt.metrics)
+            n += nxt.size
             ntags += len(nxt.tags)
         return group
 

@@ -18,8 +18,9 @@ from mlflow import MlflowClient
 
 from rldiag.collectors import keys
 from rldiag.collectors.journal import journal_path, read_journal
+from rldiag.collectors.limits import clean_key
 from rldiag.collectors.mlflow_store import make_sender, open_run
-from rldiag.collectors.writer import MetricWriter, clean_key
+from rldiag.collectors.writer import MetricWriter
 
 MAX_FLOAT = 1.7976931348623157e308
 
@@ -71,7 +72,9 @@ def test_bad_values_and_keys_are_reported_not_fatal(sqlite_uri, tmp_path, caplog
 
 
 @pytest.mark.parametrize("key,expected", [("a//b", "a/b"), ("/a", "a"), ("a/", "a"), ("é ok", "é ok"),
-                                          ("x<y>", "x_y_"), ("k" * 300, "k" * 250)])
+                                          ("x<y>", "x_y_"), ("eval/../loss", "eval/__/loss"), ("a/./b", "a/b"),
+                                          ("..x", "_.x"), ("", "_"), ("k" * 239, "k" * 239),
+                                          ("k" * 300, "k" * 239)])  # 239: room for rldiag/inf/<key> in 250
 def test_clean_key(key, expected):
     assert clean_key(key) == expected
 
