@@ -2,7 +2,7 @@
 
     from rldiag.app import open_store, find_runs, load_histories, detect_divergence, build_report
     store = open_store("sqlite:///mlruns.db")
-    runs = find_runs(store, experiment="distill")
+    runs = find_runs(store, experiments="distill")
     h = load_histories(store, runs.run_id.tolist(), ["grad/norm", "policy/ratio_mean"])
     report = build_report("sqlite:///mlruns.db", group="v0_vs_v1")    # .html, .markdown, .divergence
     result, events = watch_once("sqlite:///mlruns.db")                # one watcher cycle and its events

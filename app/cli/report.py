@@ -15,12 +15,12 @@ from rldiag.collectors.uri import redact_uri
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EXAMPLES
-    p.add_argument("--reference", action="append", default=None, metavar="RUN_ID",
-                   help="reference run (repeatable: several seeds make a noise band)")
+    p.add_argument("--reference", action="append", default=None, metavar="RUN",
+                   help="reference run: its name, id or id prefix (repeatable: several seeds make a noise band)")
     p.add_argument("--group", default=None, metavar="G",
                    help="compare the runs tagged rldiag.group=G: rldiag.role=reference vs rldiag.role=candidate")
-    p.add_argument("--candidate", action="append", default=None, metavar="RUN_ID",
-                   help="candidate run (repeatable; default: the group's candidates)")
+    p.add_argument("--candidate", action="append", default=None, metavar="RUN",
+                   help="candidate run: name, id or id prefix (repeatable; default: the group's candidates)")
     p.add_argument("--experiment", default=None, metavar="NAME", help="only runs of this experiment")
     p.add_argument("--metrics", action="append", default=None, metavar="KEY[,KEY]",
                    help="metrics to chart and compare (default: every canonical metric the runs logged)")

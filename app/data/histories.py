@@ -150,7 +150,7 @@ def load_histories(
             missing = readers.missing_runs_sql(store, fresh)
             if missing:
                 raise RunNotFound(f"run id(s) {missing} are not in the store at {store.uri!r}; "
-                                  "check the ids (rldiag.app.data.runs.find_runs lists the runs there)")
+                                  "check the ids (the dashboard's Runs page lists the runs there)")
         with store.read_only() as con:
             upto = readers.max_rowid(con)
         new, _ = readers.read_sql(store, fresh, wanted, upto=upto)

@@ -10,6 +10,7 @@ from functools import partial
 import pandas as pd
 
 from rldiag.app.data.store import Store, require_store
+from rldiag.collectors.uri import redact_uri
 from rldiag.app.errors import DataError, ExperimentNotFound, NoRunsFound, RunNotFound, StoreUnreachable
 from rldiag.collectors import keys
 
@@ -147,9 +148,44 @@ def get_runs(store: Store, run_ids: Sequence[str]) -> list:
         got = list(pool.map(one, run_ids))
     missing = [r for r, run in zip(run_ids, got) if run is None]
     if missing:
-        raise RunNotFound(f"run id(s) {missing} not found in the store at {store.uri!r}. "
-                          "Copy ids from the runs list (find_runs) or check MLFLOW_TRACKING_URI.")
+        raise RunNotFound(f"run id(s) {missing} not found in the store at {redact_uri(store.uri)!r}. Give a run's "
+                          "name or id (the first 8 characters are enough; the dashboard's Runs page lists them), "
+                          "or check MLFLOW_TRACKING_URI.")
     return got
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def resolve_run_refs(store: Store, refs: Sequence[str], *, experiments: TagFilter = None) -> list[str]:
+    """Run ids for what a user typed: a full id, a unique id prefix (e.g. the 8 characters a report
+    prints) or a run name. RunNotFound names the reference that matches no run, or lists the runs an
+    ambiguous one matches."""
+    refs = list(dict.fromkeys(refs))
+    if not refs:
+        return []
+    full = [r for r in refs if len(r) == 32 and set(r) <= _HEX]
+    if len(full) == len(refs):
+        return refs  # ids as MLflow prints them: checked where the runs are read
+    runs = find_runs(store, experiments=experiments, max_runs=100_000)
+    ids, names = runs["run_id"].tolist(), runs["name"].tolist()
+    out = []
+    for ref in refs:
+        if ref in ids:
+            out.append(ref)
+            continue
+        hits = [i for i, n in zip(ids, names) if n == ref] or [i for i in ids if i.startswith(ref.lower())]
+        if len(hits) == 1:
+            out.append(hits[0])
+        elif not hits:
+            where = f" of experiment(s) {experiments!r}" if experiments else ""
+            raise RunNotFound(f"no run{where} is named {ref!r} or has an id starting with it; give a run's name "
+                              "or id (the first 8 characters are enough; the dashboard's Runs page lists them)")
+        else:
+            shown = ", ".join(f"{n or '(no name)'} ({i[:8]})" for i, n in zip(ids, names) if i in hits[:6])
+            raise RunNotFound(f"{ref!r} matches {len(hits)} runs: {shown}{' ...' if len(hits) > 6 else ''}; "
+                              "give the id (its first 8 characters are enough) to pick one")
+    return out
 
 
 def _row(run, exp_names: dict[str, str]) -> dict:

@@ -111,9 +111,10 @@ def resolve_runs(store: Store, *, reference: str | Sequence[str] | None = None,
 
     Explicit ids win; otherwise a group's runs tagged rldiag.role=reference / candidate. Raises
     DataError (from find_runs) or ValueError, each naming the value and the fix."""
-    from rldiag.app.data.runs import find_runs
+    from rldiag.app.data.runs import find_runs, resolve_run_refs
 
-    refs, cands = _ids(reference), _ids(candidates)
+    refs = resolve_run_refs(store, _ids(reference), experiments=experiment)  # names and id prefixes too
+    cands = resolve_run_refs(store, _ids(candidates), experiments=experiment)
     if not refs and group is None:
         raise ValueError("say which runs to compare: --reference RUN_ID (repeatable) or --group G "
                          "(runs tagged rldiag.group=G, with rldiag.role=reference / candidate)")

@@ -167,7 +167,7 @@ def test_render_report_on_loaded_histories(runs):
 def test_bad_selection_names_the_value_and_the_fix(runs):
     from rldiag.app.errors import DataError, RunNotFound
 
-    with pytest.raises(RunNotFound, match=r"\['no-such-run'\] not found"):
+    with pytest.raises(RunNotFound, match=r"no run is named 'no-such-run'"):
         build_report(runs["uri"], reference="no-such-run", candidates=runs["shifted"])
     with pytest.raises(DataError, match=r"group=.*nope"):
         build_report(runs["uri"], group="nope")
@@ -250,7 +250,8 @@ def test_cli_writes_both_files(runs, tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--reference", "deadbeef", "--candidate", "REF"], "run id(s) ['deadbeef'] not found in the store at 'sqlite:///"),
+    (["--reference", "deadbeef", "--candidate", "REF"], "no run is named 'deadbeef' or has an id starting with it"),
+    (["--reference", "d" * 32, "--candidate", "REF"], f"run id(s) ['{'d' * 32}'] not found in the store at 'sqlite:///"),
     (["--group", "g", "--experiment", "nope"], "experiment(s) ['nope'] not found"),
     (["--reference", "REF", "--candidate", "REF"], "are given as both reference and candidate; keep each in one role"),
     (["--candidate", "REF"], "say which runs to compare: --reference RUN_ID (repeatable) or --group G"),
@@ -275,3 +276,24 @@ def test_cli_bad_input_says_the_value_and_the_fix(runs, tmp_path, capsys, args, 
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("rldiag report: error: ") and says in err[-1], err
     assert not (tmp_path / "rldiag-report.html").exists()
+
+
+def test_runs_can_be_named_by_name_or_id_prefix(runs, tmp_path, capsys):
+    """What a user copies from a report or the dashboard: a run's name, or the 8 characters of its id."""
+    from rldiag.app.cli.main import main
+
+    rc = main(["report", "--tracking-uri", runs["uri"], "--out", str(tmp_path), "--quiet", "--metrics",
+               K.RATIO_MEAN, "--reference", "ref-seed-0", "--reference", runs["refs"][1][:8],
+               "--candidate", "cand-shifted"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "cand-shifted" in out and (tmp_path / "rldiag-report.md").exists()
+    md = (tmp_path / "rldiag-report.md").read_text()
+    assert "ref-seed-0" in md and "ref-seed-1" in md and "ref-seed-2" not in md
+    # a name no run has, and a prefix that several runs share, are one line each naming the value
+    assert main(["report", "--tracking-uri", runs["uri"], "--out", str(tmp_path), "--reference", "ref-seed-9",
+                 "--candidate", "cand-shifted"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no run is named 'ref-seed-9' or has an id starting with it" in err and "find_runs" not in err
+    assert main(["report", "--tracking-uri", runs["uri"], "--out", str(tmp_path), "--reference", "",
+                 "--candidate", "cand-shifted"]) == 2
+    assert "matches 6 runs" in capsys.readouterr().err
