@@ -10,9 +10,9 @@ from functools import partial
 import pandas as pd
 
 from rldiag.app.data.store import Store, require_store
-from rldiag.collectors.uri import redact_uri
 from rldiag.app.errors import DataError, ExperimentNotFound, NoRunsFound, RunNotFound, StoreUnreachable
 from rldiag.collectors import keys
+from rldiag.collectors.uri import redact_uri
 
 RUN_COLUMNS: tuple[str, ...] = (
     "run_id", "name", "experiment", "experiment_id", "status", "start_time", "end_time",
