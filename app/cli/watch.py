@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", default=str(DEFAULT_INTERVAL), metavar="SECONDS",
                    help=f"seconds between the starts of two poll cycles (default: {DEFAULT_INTERVAL:g})")
     p.add_argument("--once", action="store_true", help="one poll cycle, then exit: 0 nothing new, 1 alerts sent")
+    p.add_argument("--all", action="store_true", dest="include_finished",
+                   help="read finished runs too, not only running and just-ended ones (e.g. with --once on a store "
+                        "of past runs)")
     p.add_argument("--state", default=DEFAULT_STATE, metavar="FILE",
                    help=f"what was already alerted, so restarts neither repeat nor miss (default: {DEFAULT_STATE})")
     p.add_argument("--jsonl", default=RLDIAG_ALERTS_JSONL.get(), metavar="FILE",
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             watcher = Watcher(store, state, sinks, experiments=args.experiment, tag_runs=args.tag_runs,
-                              divergence=args.divergence)
+                              divergence=args.divergence, include_finished=args.include_finished)
         except DataError as e:
             raise CliError(str(e)) from None
         except store_errors() as e:

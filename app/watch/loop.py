@@ -83,17 +83,19 @@ class CycleResult:
     fetched: int  # metric rows read
     seconds: float
     new_runs: list[str] = field(default_factory=list)
+    skipped: int = 0  # runs of the watched experiments not read: ended before this watcher's window
 
 
 class Watcher:
     """Polls one store; `poll()` is one cycle, `loop()` repeats it. Sinks are closed by `close()`."""
 
     def __init__(self, store: Store, state: WatchState, sinks: list, *, experiments: Sequence[str] | None = None,
-                 tag_runs: bool = False, divergence: bool = False, burst: int = 3, burst_interval_s: float = 300.0):
+                 tag_runs: bool = False, divergence: bool = False, burst: int = 3, burst_interval_s: float = 300.0,
+                 include_finished: bool = False):
         if tag_runs and store.sqlite_path is not None:
             store = replace(store, writes_here=True)  # it writes tags into that file
         self.store, self.state, self.sinks = store, state, list(sinks)
-        self.tag_runs, self.divergence = tag_runs, divergence
+        self.tag_runs, self.divergence, self.include_finished = tag_runs, divergence, include_finished
         self._burst = (burst, burst_interval_s)
         self._exp_ids = self._resolve(experiments) if experiments else None
         self._h: Histories | None = None
@@ -118,17 +120,21 @@ class Watcher:
     def _search(self, exp_ids: list[str], filter_string: str) -> list:
         return pages(self.store.client.search_runs, experiment_ids=exp_ids, filter_string=filter_string)
 
-    def runs_to_read(self, since_ms: int) -> tuple[list, dict[str, str]]:
-        """Active (RUNNING) runs, plus runs that ended at or after `since_ms`; and experiment names by id."""
+    def runs_to_read(self, since_ms: int) -> tuple[list, dict[str, str], int]:
+        """Active (RUNNING) runs, plus runs that ended at or after `since_ms` (every run with
+        `include_finished`); experiment names by id; and how many runs of those experiments were left out."""
         exps = self._experiments() if self._exp_ids is None else None
         names = {e.experiment_id: e.name for e in exps} if exps is not None else {}
         exp_ids = self._exp_ids if self._exp_ids is not None else list(names)
         if not exp_ids:
-            return [], names
+            return [], names, 0
+        if self.include_finished:
+            return self._search(exp_ids, ""), names, 0
         runs = {r.info.run_id: r for r in self._search(exp_ids, "attributes.status = 'RUNNING'")}
         for r in self._search(exp_ids, f"attributes.end_time >= {int(since_ms)}"):
             runs.setdefault(r.info.run_id, r)
-        return list(runs.values()), names
+        skipped = len({r.info.run_id for r in self._search(exp_ids, "")} - set(runs))
+        return list(runs.values()), names, skipped
 
     def poll(self) -> CycleResult:
         """One cycle: list runs, read what is new, send an event per new bad step, save the state."""
@@ -136,7 +142,7 @@ class Watcher:
         # Runs that ended since the last cycle started (on a first start: in the last margin) are read
         # once more, so points logged just before the end are not lost between two polls.
         since = (self.state.last_poll_ms or started_ms) - ENDED_MARGIN_MS
-        runs, exp_names = self.runs_to_read(since)
+        runs, exp_names, skipped = self.runs_to_read(since)
         ids = [r.info.run_id for r in runs]
         self._h = load_histories(self.store, ids, WATCH_KEYS, previous=self._h) if ids else None
         sent = 0
@@ -148,7 +154,7 @@ class Watcher:
         self._seen = set(ids)
         self.state.last_poll_ms = started_ms
         self.state.save()
-        return CycleResult(len(ids), sent, self._h.fetched if self._h else 0, time.perf_counter() - t0, new)
+        return CycleResult(len(ids), sent, self._h.fetched if self._h else 0, time.perf_counter() - t0, new, skipped)
 
     def _check_run(self, run, experiment: str) -> int:
         run_id, name = run.info.run_id, run.info.run_name or ""
@@ -249,18 +255,20 @@ class _Collect:
 
 def watch_once(tracking_uri: str | Store | None = None, *, experiments: Sequence[str] | None = None,
                state: WatchState | None = None, sinks: Sequence | None = None,
-               divergence: bool = False) -> tuple[CycleResult, list[dict]]:
+               divergence: bool = False, include_finished: bool = True) -> tuple[CycleResult, list[dict]]:
     """One watcher cycle, from a notebook or a script: `(result, events)`, the events it found.
 
     `state` (default: a fresh one in memory, so every bad step of the runs read is reported) makes
-    repeated calls report only what is new; `sinks` also receive the events (log, JSONL, webhook).
+    repeated calls report only what is new; `sinks` also receive the events (log, JSONL, webhook);
+    `include_finished` (default True here, unlike the polling command) reads every run, not only the
+    running and just-ended ones.
     """
     from rldiag.app.data.store import open_store
 
     store = tracking_uri if isinstance(tracking_uri, Store) else open_store(tracking_uri)
     collect = _Collect()
     watcher = Watcher(store, state if state is not None else WatchState(), [collect, *(sinks or [])],
-                      experiments=experiments, divergence=divergence, burst=1 << 30)
+                      experiments=experiments, divergence=divergence, burst=1 << 30, include_finished=include_finished)
     try:
         result = watcher.poll()
     finally:
@@ -304,6 +312,10 @@ def loop(watcher: Watcher, interval: float, stop: threading.Event, *, once: bool
             if once:
                 log.info("rldiag watch: one cycle: %d run(s) read, %d new alert(s), %d rows, %.2f s", res.runs,
                          res.alerts, res.fetched, res.seconds)
+                if res.skipped:
+                    log.info("rldiag watch: %d run(s) skipped: they ended before this watcher's window (%d s "
+                             "before its first poll); --all reads finished runs too", res.skipped,
+                             ENDED_MARGIN_MS // 1000)
                 return 1 if res.alerts else 0
         if stop.wait(max(0.0, interval - (time.monotonic() - t0))):
             return 0

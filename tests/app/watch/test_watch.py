@@ -12,6 +12,7 @@ restarted under a running watcher.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -326,3 +327,24 @@ def test_server_killed_and_restarted_under_a_running_watcher(mlflow_server, tmp_
     assert "answers again" in text and text.index("unreachable") < text.index("answers again")
     assert ev["step"] == 3 and ev["grad_norm"] == "inf" and ev["keys"] == {"actor/grad_norm": "inf"}
     assert "Traceback" not in text
+
+
+def test_once_says_what_it_skipped_and_all_reads_finished_runs(store_uri, tmp_path, caplog):
+    # two runs that ended long ago, NaN at every step: a poll reads running and just-ended runs only,
+    # so it must say it skipped them (not a bare "0 run(s) read"), and --all must alert on them
+    from mlflow import MlflowClient
+
+    ids = [write_run(store_uri, experiment="old", name=f"old-{i}", finish=False,
+                     steps=[(s, {keys.GRAD_NORM: float("nan"), keys.GRAD_FINITE: 0.0}) for s in range(3)])
+           for i in range(2)]
+    for rid in ids:  # ended an hour before now
+        MlflowClient(store_uri).set_terminated(rid, end_time=int(time.time() * 1000) - 3_600_000)
+    state = str(tmp_path / "s.json")
+    with caplog.at_level(logging.INFO, logger="rldiag.watch"):
+        assert cli_main(["watch", "--once", "--tracking-uri", store_uri, "--state", state]) == 0
+    assert "0 run(s) read" in caplog.text and "2 run(s) skipped" in caplog.text and "--all" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rldiag.watch"):
+        assert cli_main(["watch", "--once", "--all", "--tracking-uri", store_uri, "--state", state]) == 1
+    assert "2 run(s) read, 6 new alert(s)" in caplog.text and "skipped" not in caplog.text
+    assert all(i in caplog.text for i in ids)
