@@ -6,6 +6,10 @@ agrees on `grad/finite` and on whether to step) with the token/sequence/sample s
 the means; one MAX all-reduce carries the maxima. Only when some rank is non-finite do the ranks
 exchange parameter names and positions (`all_gather_object`). Rank 0 writes.
 
+Sharded gradients (FSDP2 DTensor shards, FSDP1 flat shards) ride in the same SUM all-reduce: each rank adds
+its shards' squared norms, the total norm is the root of the sum (plus the replicated tensors' norm,
+squared); the same SUM counts the ranks that found any gradient, so a step where none did reads unknown.
+
 Every rank must pass the same metric keys in the same order at a step.
 """
 
@@ -46,22 +50,34 @@ class Reduced:
     vector: Tensor  # same layout as the input: [total_norm, per-tensor norms..., values...]
     nonfinite_ranks: Tensor  # 0-d: how many ranks hold a non-finite gradient
     per_rank: Tensor | None  # [world, len(values)] when asked for
+    found_ranks: Tensor | None = None  # 0-d: how many ranks found any gradient (0: the step is unknown)
 
 
 def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bool = False,
-                per_rank: bool = False, group=None) -> Reduced:
+                per_rank: bool = False, group=None, split: Tensor | None = None, found: bool = True) -> Reduced:
     """Reduce `[total_norm, norm_0.., values..]` across ranks, on the device, without a host sync.
 
     Token/sequence/sample means become weighted means over all ranks; std of rewards is pooled exactly
     from each rank's mean, std and count; maxima take the max; batch counts are summed; any other
     value is averaged over ranks. The total norm is `sqrt(sum of squares)` when gradients are
-    `sharded` (FSDP), else (replicated, DDP) the largest rank's, NaN if any rank's is NaN.
+    `sharded` (FSDP), else (replicated, DDP) the largest rank's, NaN if any rank's is NaN. `split`
+    (`gradcheck.shard_split`: `[squares that add up across ranks, norm of the replicated rest]`) mixes
+    both: the total is `sqrt(sum of the ranks' squares + the largest rank's replicated norm ** 2)`.
+    `found`: this rank holds any gradient. Every rank makes the same collectives, whatever it passes.
     """
     world = dist.get_world_size(group)
     idx = {k: n_norms + i for i, k in enumerate(value_keys)}
     v = vec
     local_bad = (~torch.isfinite(v[1:n_norms])).any() | ~torch.isfinite(v[0])
-    sums = [local_bad.to(v.dtype), torch.isnan(v[0]).to(v.dtype), v[0] * v[0]]
+    zero = v.new_zeros(())
+    if split is not None:
+        shared_sq, rest = split[0].to(v.dtype), split[1].to(v.dtype)
+    elif sharded:
+        shared_sq, rest = v[0] * v[0], zero
+    else:
+        shared_sq, rest = zero, v[0]
+    found_t = torch.ones((), dtype=v.dtype, device=v.device) if found else zero
+    sums = [local_bad.to(v.dtype), torch.isnan(rest).to(v.dtype), shared_sq, found_t]
     at: dict[str, int] = {}  # key -> its entry in `sums`
     how: dict[str, str] = {}
     for k in value_keys:
@@ -80,7 +96,7 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
             sums.append(x)
     max_keys = [k for k in value_keys if how[k] == "max"]
     s = torch.stack(sums)
-    mx = torch.stack([v[0]] + [v[idx[k]] for k in max_keys])
+    mx = torch.stack([rest] + [v[idx[k]] for k in max_keys])
     dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
     gathered = None
@@ -92,7 +108,9 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
 
     out = v.clone()
     nan = torch.tensor(float("nan"), dtype=v.dtype, device=v.device)
-    out[0] = s[2].sqrt() if sharded else torch.where(s[1] > 0, nan, mx[0])
+    replicated = torch.where(s[1] > 0, nan, mx[0])
+    # s[2] != 0 is also true for NaN; with no shard at all the replicated norm is kept exactly
+    out[0] = torch.where(s[2] != 0, (s[2] + replicated * replicated).sqrt(), replicated)
     for k in value_keys:
         if how[k] == "weighted":
             out[idx[k]] = s[at[k]] / s[at[WEIGHTED[k]]].clamp(min=1)
@@ -106,22 +124,34 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
             out[idx[k]] = s[at[k]] / world
     for i, k in enumerate(max_keys, start=1):
         out[idx[k]] = mx[i]
-    return Reduced(out, s[0], gathered)
+    return Reduced(out, s[0], gathered, s[3])
 
 
-def gather_failure(names: list[str], positions: list[NonFinitePosition], group=None
+def gather_failure(names: list[str], positions: list[NonFinitePosition], group=None, *,
+                   shared: set[str] | frozenset[str] = frozenset()
                    ) -> tuple[list[str], list[NonFinitePosition], list[int]]:
     """On a step some rank found non-finite (every rank calls this): the parameter names and positions
-    of all ranks, names prefixed `rank<r>:`, positions carrying their rank; and the non-finite ranks."""
+    of all ranks, names prefixed `rank<r>:`, positions carrying their rank; and the non-finite ranks.
+
+    Names in `shared` (sharded parameters: every rank holds a piece of the same tensor, and under FSDP a
+    NaN one rank computed reaches the other ranks' shards through the reduce-scatter) come back once,
+    unprefixed, by their FQN."""
     world = dist.get_world_size(group)
     bucket: list = [None] * world
-    dist.all_gather_object(bucket, (dist.get_rank(group), names, positions), group=group)
+    dist.all_gather_object(bucket, (dist.get_rank(group), names, sorted(set(names) & set(shared)), positions),
+                           group=group)
     all_names: list[str] = []
     all_pos: list[NonFinitePosition] = []
     ranks: list[int] = []
-    for rank, n, p in sorted(bucket, key=lambda t: t[0]):
+    seen: set[str] = set()
+    for rank, n, sh, p in sorted(bucket, key=lambda t: t[0]):
         if n:
             ranks.append(rank)
-        all_names += [f"rank{rank}:{x}" for x in n]
+        for x in n:
+            if x not in sh:
+                all_names.append(f"rank{rank}:{x}")
+            elif x not in seen:
+                seen.add(x)
+                all_names.append(x)
         all_pos += [replace(x, rank=rank) for x in p]
     return all_names, all_pos, ranks

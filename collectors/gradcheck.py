@@ -6,6 +6,13 @@ norm multiplies every gradient by NaN, and afterwards every parameter looks guil
 Cost on a finite step: one `_foreach_norm` over the gradients and one host transfer (shared with the
 step's other metrics when called through `Monitor`). Only a non-finite step pays for more: an exact
 per-tensor check and reading the logits probe.
+
+Where the gradients are read (`collect_grads`): a DTensor gradient (FSDP2's `fully_shard`) through its
+local shard, an FSDP1 FlatParameter's gradient as this rank's shard of the original parameters it holds,
+a sparse gradient through its values. Names are the parameters' original names (FQNs), without FSDP1's
+or activation checkpointing's wrapper prefixes. Where no parameter holds a gradient (DeepSpeed ZeRO keeps
+its partitions in its own buffers; a call after `zero_grad`) the report says so (`found` False,
+`finite` None): unknown, never finite.
 """
 
 from __future__ import annotations
@@ -17,31 +24,122 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rldiag.collectors.compat.torch import foreach_norm_f32, host_dtype, queue_backward_callback
+from rldiag.collectors.compat.torch import (
+    FLAT_PARAM,
+    clean_fqn,
+    dtensor_class,
+    flat_param_class,
+    flat_param_parts,
+    foreach_norm_f32,
+    fsdp1_flattened,
+    fsdp1_replicas,
+    host_dtype,
+    queue_backward_callback,
+)
 
 Tensor = torch.Tensor
 
+_SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
-def named_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Parameter]):
-    """`[(name, grad)]` of the parameters that hold a gradient; unnamed parameters are called `param.<i>`."""
-    items = params.named_parameters() if isinstance(params, nn.Module) else params
+
+@dataclass(slots=True)
+class GradEntry:
+    """One parameter's gradient as this rank can measure it."""
+
+    name: str  # the parameter's original name (FQN)
+    grad: Tensor  # `.grad` itself: the skip policy zeroes this
+    local: Tensor  # what is measured: dense and on this rank (a DTensor's local shard, a sparse grad's values)
+    sharded: bool = False  # a shard: the ranks' squared norms add up to the global one
+    replicas: int = 1  # ranks that hold this same shard (a DTensor's replicated mesh dimensions, HSDP)
+    # An FSDP1 FlatParameter: `(name, offset, numel)` of each original parameter in `local`, to name them.
+    parts: tuple[tuple[str, int, int], ...] = ()
+
+    def names(self) -> list[str]:
+        return [self.name] + [n for n, _, _ in self.parts]
+
+
+def local_view(grad: Tensor) -> tuple[Tensor, int | None]:
+    """`(dense local tensor, replicas)` of a gradient: a DTensor's local shard and how many ranks hold
+    that same shard (None when `grad` is no DTensor), a sparse gradient's values (coalesced first, so
+    that the norm is the tensor's: `nn.Embedding(sparse=True)` repeats the rows of repeated ids), else
+    `grad`. A DTensor with a `Partial` placement (unreduced) is reduced first (a collective: every rank
+    holds the same DTensors, so they all make it)."""
+    dt = dtensor_class()
+    if dt is not None and isinstance(grad, dt):
+        placements, mesh = grad.placements, grad.device_mesh
+        if any(p.is_partial() for p in placements):
+            from torch.distributed.tensor import Replicate
+
+            grad = grad.redistribute(mesh, [Replicate() if p.is_partial() else p for p in placements])
+            placements = grad.placements
+        replicas = 1
+        for dim, p in enumerate(placements):
+            if p.is_replicate():
+                replicas *= mesh.size(dim)
+        return local_view(grad.to_local())[0], replicas
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce().values(), None
+    if grad.layout in _SPARSE_COMPRESSED:
+        return grad.values(), None
+    return grad, None
+
+
+def collect_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Parameter]) -> list[GradEntry]:
+    """The gradients of the parameters that hold one, as this rank can measure them (see `GradEntry`).
+
+    Detected without being told: DTensor gradients (FSDP2), FSDP1 FlatParameters (`use_orig_params=False`:
+    named by the original parameters in this rank's shard) and FSDP1's original parameters
+    (`use_orig_params=True`: each a shard). How many ranks hold the same FSDP1 shard (NO_SHARD,
+    HYBRID_SHARD) is read from the FSDP1 units when `params` is the module, else taken as 1.
+    """
+    module = params if isinstance(params, nn.Module) else None
+    items = params.named_parameters() if module is not None else params
+    dt = dtensor_class()  # None unless torch.distributed.tensor is loaded: no DTensor can exist then
+    flat_cls = flat_param_class()  # likewise torch.distributed.fsdp, for FSDP1
+    fsdp1: dict[int, int] | None = None
     out = []
     for i, item in enumerate(items):
         name, p = item if isinstance(item, tuple) else (f"param.{i}", item)
-        if p.grad is not None:
-            out.append((name, p.grad))
+        g = p.grad
+        if g is None:
+            continue
+        flat = flat_cls is not None and isinstance(p, flat_cls)
+        shard = flat or (flat_cls is not None and fsdp1_flattened(p))
+        if not shard and g.layout == torch.strided and (dt is None or not isinstance(g, dt)):
+            out.append(GradEntry(clean_fqn(name), g, g))  # the usual case: a plain dense gradient
+            continue
+        local, replicas = local_view(g)
+        entry = GradEntry(clean_fqn(name), g, local)
+        if replicas is not None:
+            entry.sharded, entry.replicas = True, replicas
+        elif shard:
+            if fsdp1 is None:
+                fsdp1 = fsdp1_replicas(module) if module is not None else {}
+            entry.sharded, entry.replicas = True, fsdp1.get(id(p), 1)
+            if flat:
+                prefix = entry.name[: -len(FLAT_PARAM)] if entry.name.endswith(FLAT_PARAM) else ""
+                entry.parts = tuple((prefix + clean_fqn(n), off, k) for n, off, k in flat_param_parts(p))
+        out.append(entry)
     return out
 
 
-def grad_norm_stats(grads: list[Tensor]) -> Tensor:
+def named_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Parameter]):
+    """`[(name, gradient)]` of the parameters that hold a gradient, each as this rank measures it (see
+    `collect_grads`); unnamed parameters are called `param.<i>`."""
+    return [(e.name, e.local) for e in collect_grads(params)]
+
+
+def grad_norm_stats(grads: list[Tensor], device: torch.device | None = None) -> Tensor:
     """`[total_norm, norm_0, ..., norm_n-1]` as one tensor (`host_dtype`) on the first gradient's device;
-    each norm is taken in float32, whatever the gradients' dtype.
+    each norm is taken in float32, whatever the gradients' dtype. With no gradient, `[0]` on `device`
+    (CPU by default).
 
     A per-tensor norm is finite whenever every element is finite (a finite tensor whose squared sum
     overflows float32 also reads non-finite: the exact check in `nonfinite_names` settles it).
     """
     if not grads:
-        return torch.zeros(1)
+        dev = device if device is not None else torch.device("cpu")
+        return torch.zeros(1, dtype=host_dtype(dev), device=dev)
     device = grads[0].device
     per = torch.stack([n.to(device) for n in foreach_norm_f32(grads)])
     # the total in the host dtype: float32 norms of finite tensors can add up past float32's range
@@ -49,16 +147,61 @@ def grad_norm_stats(grads: list[Tensor]) -> Tensor:
     return torch.cat([total, per.to(total.dtype)])
 
 
-def nonfinite_names(named: list[tuple[str, Tensor]], norms: list[float]) -> list[str]:
+def shard_split(per: Tensor, entries: list[GradEntry], *, plain_sharded: bool = False) -> Tensor:
+    """`[squares that add up across ranks, norm of the replicated rest]` from the per-tensor norms `per`
+    (on their device, no host sync): a shard's squared norm divided by the ranks that hold the same shard,
+    and the plain tensors' norm (replicated, as under DDP; shards too when `plain_sharded`)."""
+    zero = per.new_zeros(())
+    shared, rest = [], []
+    a = 0
+    while a < len(entries):  # runs of entries of one kind: one slice each (usually a single run)
+        key = (entries[a].sharded or plain_sharded, entries[a].replicas if entries[a].sharded else 1)
+        b = a + 1
+        while b < len(entries) and (entries[b].sharded or plain_sharded,
+                                    entries[b].replicas if entries[b].sharded else 1) == key:
+            b += 1
+        sq = per[a:b].square().sum()
+        if key[0]:
+            shared.append(sq / key[1] if key[1] != 1 else sq)
+        else:
+            rest.append(sq)
+        a = b
+    s = torch.stack(shared).sum() if shared else zero
+    r = torch.stack(rest).sum().sqrt() if rest else zero
+    return torch.stack([s, r])
+
+
+def nonfinite_names(named: list[tuple[str, Tensor]] | list[GradEntry], norms: list[float]) -> list[str]:
     """Names of the parameters whose gradient holds a NaN or inf element.
 
-    Only tensors whose norm was non-finite are checked element by element (failure path only).
+    Only tensors whose norm was non-finite are checked element by element (failure path only); an FSDP1
+    FlatParameter is checked per original parameter in it (named by the flat name when only its padding
+    is non-finite).
     """
-    suspects = [(n, g) for (n, g), v in zip(named, norms) if not _isfinite(v)]
+    suspects = [e for e, v in zip(_entries(named), norms) if not _isfinite(v)]
     if not suspects:
         return []
-    flags = torch.stack([(~torch.isfinite(g)).any().to("cpu") for _, g in suspects]).tolist()
-    return [n for (n, _), bad in zip(suspects, flags) if bad]
+    checks: list[tuple[GradEntry, str | None, Tensor]] = []
+    for e in suspects:
+        checks.append((e, None, e.local))
+        checks += [(e, n, e.local.reshape(-1)[off : off + k]) for n, off, k in e.parts]
+    flags = torch.stack([(~torch.isfinite(t)).any().to("cpu") for _, _, t in checks]).tolist()
+    bad_parts: dict[int, list[str]] = {}
+    bad_whole: set[int] = set()
+    for (e, n, _), bad in zip(checks, flags):
+        if bad and n is None:
+            bad_whole.add(id(e))
+        elif bad:
+            bad_parts.setdefault(id(e), []).append(n)
+    out = []
+    for e in suspects:
+        if id(e) in bad_whole:
+            out += bad_parts.get(id(e)) or [e.name]
+    return out
+
+
+def _entries(named) -> list[GradEntry]:
+    return [x if isinstance(x, GradEntry) else GradEntry(x[0], x[1], x[1]) for x in named]
 
 
 def _isfinite(v: float) -> bool:
@@ -132,17 +275,31 @@ class LogitsProbe:
 
 @dataclass
 class GradReport:
-    """What the check found for one step."""
+    """What the check found for one step. `finite` is None when no gradient was found: nothing was
+    checked, so the step is neither finite nor non-finite (`found` is False, `norm` NaN)."""
 
     norm: float
-    finite: bool
+    finite: bool | None
     nonfinite_params: list[str] = field(default_factory=list)
     positions: list[NonFinitePosition] = field(default_factory=list)
     nonfinite_positions: int = 0  # total count; `positions` holds at most the probe's max_positions
 
+    @classmethod
+    def unknown(cls) -> GradReport:
+        """No parameter held a gradient."""
+        return cls(norm=math.nan, finite=None)
+
+    @property
+    def found(self) -> bool:
+        return self.finite is not None
+
     def metrics(self) -> dict[str, float]:
+        """The values logged for the step: `grad/norm`, `grad/finite`, `grad/nonfinite_params`; only
+        `grad/found` = 0 when no gradient was found (no norm or flag is made up)."""
         from rldiag.collectors import keys
 
+        if not self.found:
+            return {keys.GRAD_FOUND: 0.0}
         return {
             keys.GRAD_NORM: self.norm,
             keys.GRAD_FINITE: 1.0 if self.finite else 0.0,
@@ -152,14 +309,19 @@ class GradReport:
 
 def check_gradients(params, probe: LogitsProbe | None = None) -> GradReport:
     """Check gradients on their own (one host synchronisation when finite). `Monitor.step` does this
-    together with the step's metrics in a single transfer."""
-    named = named_grads(params)
-    host = grad_norm_stats([g for _, g in named]).tolist()
-    return build_report(named, host, probe)
+    together with the step's metrics in a single transfer, and agrees across ranks; this checks what
+    this rank holds (its shards, under FSDP). No gradient at all: `GradReport.unknown()`."""
+    entries = collect_grads(params)
+    host = grad_norm_stats([e.local for e in entries]).tolist()
+    return build_report(entries, host, probe)
 
 
-def build_report(named: list[tuple[str, Tensor]], host_norms: list[float], probe: LogitsProbe | None) -> GradReport:
-    """A `GradReport` from the host copy of `grad_norm_stats`; pays for detail only when non-finite."""
+def build_report(named: list[tuple[str, Tensor]] | list[GradEntry], host_norms: list[float],
+                 probe: LogitsProbe | None) -> GradReport:
+    """A `GradReport` from the host copy of `grad_norm_stats`; pays for detail only when non-finite.
+    With no gradient, `GradReport.unknown()`."""
+    if not named:
+        return GradReport.unknown()
     total, per = host_norms[0], host_norms[1:]
     if all(_isfinite(v) for v in per):
         return GradReport(norm=total, finite=True)  # a non-finite total here is float32 overflow
@@ -209,7 +371,7 @@ class AccumulatedGradCheck:
         """End of a backward pass: the norms of every gradient present now."""
         self._queued = False
         seen = [i for i, p in enumerate(self._params) if p.grad is not None]
-        grads = [self._params[i].grad.detach() for i in seen]
+        grads = [local_view(self._params[i].grad.detach())[0] for i in seen]
         self._seen, self._norms = seen, foreach_norm_f32(grads) if grads else []
 
     def nonfinite_flag(self, device: torch.device) -> Tensor:
@@ -251,7 +413,7 @@ class AccumulatedGradCheck:
             return GradReport(norm=total, finite=True), rest
         suspects = [(self.names[i], self._params[i]) for i, v in zip(seen, per) if not _isfinite(v)]
         gone = [n for n, p in suspects if p.grad is None]  # cleared already: trust the recorded norm
-        current = [(n, p.grad) for n, p in suspects if p.grad is not None]
+        current = [(n, local_view(p.grad)[0]) for n, p in suspects if p.grad is not None]
         names = set(gone) | set(nonfinite_names(current, [math.inf] * len(current)))
         ordered = [n for n, _ in suspects if n in names]
         if not ordered:

@@ -33,6 +33,11 @@ MISMATCH_PROB_MAX = "mismatch/prob_abs_diff_max"
 GRAD_NORM = "grad/norm"
 GRAD_FINITE = "grad/finite"
 GRAD_NONFINITE_PARAMS = "grad/nonfinite_params"
+# 0 at a step where no parameter held a gradient (DeepSpeed ZeRO keeps its partitions out of `.grad`; a
+# check after `zero_grad`): nothing was checked, so GRAD_NORM, GRAD_FINITE and GRAD_NONFINITE_PARAMS are
+# not logged at that step (unknown is neither finite nor NaN). Never logged at a checked step. Not canonical:
+# nothing to chart.
+GRAD_FOUND = "grad/found"
 
 LOSS = "loss"
 

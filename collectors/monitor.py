@@ -25,7 +25,15 @@ from torch import nn
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
 from rldiag.collectors.compat.torch import host_dtype
-from rldiag.collectors.gradcheck import GradReport, LogitsProbe, build_report, grad_norm_stats, named_grads
+from rldiag.collectors.gradcheck import (
+    GradEntry,
+    GradReport,
+    LogitsProbe,
+    build_report,
+    collect_grads,
+    grad_norm_stats,
+    shard_split,
+)
 from rldiag.collectors.metrics import pack, to_host
 from rldiag.collectors.session import NonFiniteGradientError, RunSession
 from rldiag.collectors.writer import WriterStats
@@ -35,6 +43,18 @@ log = logging.getLogger("rldiag")
 __all__ = ["Monitor", "NonFiniteGradientError"]
 
 
+def _device_of(model: Any, values: Mapping[str, Any]) -> torch.device:
+    """Where a step without gradients packs its values: the model's, else the first tensor value's (a
+    NCCL all-reduce needs them on the GPU), else the CPU."""
+    if isinstance(model, nn.Module):
+        for p in model.parameters():
+            return p.device
+    for v in values.values():
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
 class Monitor:
     """Opens an MLflow run, checks gradients, logs a step's metrics in one host transfer, sends alerts.
 
@@ -42,9 +62,14 @@ class Monitor:
     policy, alerts_jsonl, webhook_url, sinks, alert_burst, alert_interval_s, spill_dir,
     close_timeout_s; see its docstring), plus, under torch.distributed (an initialised process group
     of more than one rank): `per_rank` (also log each rank's values as `rank<r>/<key>`) and
-    `grads_sharded` (FSDP: the total norm sums the ranks' squares; default False, DDP). Every rank
-    creates a Monitor and calls `step`; all ranks agree on the finite flag; rank 0 opens the run and
-    writes.
+    `grads_sharded` (plain-tensor gradients are shards: the total norm sums the ranks' squares; default
+    False, DDP). FSDP2's DTensor gradients and FSDP1's (FlatParameter, or `use_orig_params=True`) are
+    recognised as shards without it, named by their original FQNs. Every rank creates a Monitor and
+    calls `step`; all ranks agree on the finite flag; rank 0 opens the run and writes.
+
+    A step where no parameter holds a gradient (DeepSpeed ZeRO's own buffers; a call after `zero_grad`)
+    is unknown, never finite: it logs `grad/found` = 0 and no `grad/norm` or `grad/finite`, warns once,
+    and returns True (there is nothing to skip).
     """
 
     def __init__(self, experiment: str = "rldiag", *, per_rank: bool = False, grads_sharded: bool = False,
@@ -83,23 +108,25 @@ class Monitor:
         Call after `backward()` and before clipping. On a finite step this costs one host transfer
         for everything (gradient norms, `loss`, `metrics`); logging never waits on the store.
         """
-        named = named_grads(model)
-        if not named and not self._warned_no_grads:
-            self._warned_no_grads = True
-            log.warning("rldiag: step %d: no parameter has a gradient; call Monitor.step after backward()", step)
-        norms = grad_norm_stats([g for _, g in named])
+        entries = collect_grads(model)
         values: dict[str, torch.Tensor | float] = dict(metrics or {})
         if loss is not None:
             values[keys.LOSS] = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        norms = grad_norm_stats([e.local for e in entries], device=None if entries else _device_of(model, values))
         vec = torch.cat([norms.to(host_dtype(norms.device)), pack(values, device=norms.device)])
         n = norms.numel()
         if not self.distributed:
             host = vec.tolist()  # the one host transfer
-            report = build_report(named, host[:n], self.probe)
+            report = build_report(entries, host[:n], self.probe)
         else:
-            report, host = self._reduce(vec, n, list(values), named)
+            report, host = self._reduce(vec, n, list(values), entries)
         self.probe.reset()
         self.last_report = report
+        if not report.found and not self._warned_no_grads and self.rank == 0:
+            self._warned_no_grads = True
+            log.warning("rldiag: step %d: no parameter has a gradient, nothing was checked: logging %s = 0 and no "
+                        "%s or %s (call Monitor.step after backward() and before zero_grad(); DeepSpeed ZeRO keeps "
+                        "gradients out of .grad)", step, keys.GRAD_FOUND, keys.GRAD_NORM, keys.GRAD_FINITE)
         if self.session is not None:
             logged = dict(zip(values.keys(), host[n : n + len(values)]))
             logged.update(report.metrics())
@@ -109,7 +136,7 @@ class Monitor:
                     for j, k in enumerate(values):
                         logged[f"rank{r}/{k}"] = per[r * len(values) + j]
             self.writer.log_metrics(logged, step)
-        if report.finite:
+        if report.finite or not report.found:  # unknown: nothing to alert on or to skip
             return True
         if self.session is not None:
             go_on = self.session.on_nonfinite(step, report)
@@ -119,23 +146,32 @@ class Monitor:
             go_on = self.policy == "warn"
         if go_on:
             return True
-        for _, g in named:  # policy "skip"
-            g.zero_()
+        for e in entries:  # policy "skip", on every rank
+            e.grad.zero_()
         return False
 
-    def _reduce(self, vec: torch.Tensor, n: int, value_keys: list[str], named) -> tuple[GradReport, list[float]]:
-        red = distributed.reduce_step(vec, n, value_keys, sharded=self.grads_sharded, per_rank=self.per_rank)
-        parts = [red.vector, red.nonfinite_ranks.reshape(1)]
+    def _reduce(self, vec: torch.Tensor, n: int, value_keys: list[str],
+                entries: list[GradEntry]) -> tuple[GradReport, list[float]]:
+        split = None
+        if any(e.sharded for e in entries):  # FSDP shards (possibly beside replicated tensors)
+            split = shard_split(vec[1:n], entries, plain_sharded=self.grads_sharded)
+        red = distributed.reduce_step(vec, n, value_keys, sharded=self.grads_sharded, per_rank=self.per_rank,
+                                      split=split, found=bool(entries))
+        parts = [red.vector, red.nonfinite_ranks.reshape(1), red.found_ranks.reshape(1)]
         if red.per_rank is not None:
             parts.append(red.per_rank.reshape(-1))
         host_all = torch.cat(parts).tolist()  # the one host transfer
-        host = host_all[: vec.numel()] + host_all[vec.numel() + 1 :]
-        if host_all[vec.numel()] == 0:
+        k = vec.numel()
+        host = host_all[:k] + host_all[k + 2 :]
+        if host_all[k + 1] == 0:  # no rank found any gradient
+            return GradReport.unknown(), host
+        if host_all[k] == 0:
             return GradReport(norm=host[0], finite=True), host
         # Some rank is non-finite: every rank takes this path, so the collective below matches up.
         local_norms = vec[:n].tolist()
-        local = build_report(named, local_norms, self.probe)
-        names, positions, _ = distributed.gather_failure(local.nonfinite_params, local.positions)
+        local = build_report(entries, local_norms, self.probe)
+        shared = {name for e in entries if e.sharded or self.grads_sharded for name in e.names()}
+        names, positions, _ = distributed.gather_failure(local.nonfinite_params, local.positions, shared=shared)
         if not names:  # every rank's tensors are finite: a float32 norm overflowed, not a NaN
             return GradReport(norm=host[0], finite=True), host
         return GradReport(norm=host[0], finite=False, nonfinite_params=names, positions=positions,

@@ -25,3 +25,53 @@ def gloo_step(model, rank: int, step: int, *, nan_step: int, x_scale: float = 1.
     lp_new = torch.tensor([[0.5, 0.0, 0.0, 0.0]]) * lp_scale
     rewards = torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([5.0])
     return loss, policy_metrics(lp_new, lp_old, mask, rewards=rewards)
+
+
+# --- sharded jobs (tests/collectors/test_sharded.py) ---------------------------------------------------
+
+SHARD_KINDS = ("fsdp2", "fsdp1-orig", "fsdp1-flat")
+
+
+def nan_bias_hook(when):
+    """A forward hook for a Linear: while `when()` is true its output gets `0.0 * sqrt(sum((b - b)**2))`,
+    0 in the forward pass and NaN in the backward pass for the module's bias only (inside an FSDP unit's
+    forward the bias is the unsharded tensor, so the NaN reaches the sharded gradient through FSDP's
+    own reduce-scatter)."""
+
+    def hook(module, _inputs, out):
+        if not when():
+            return out
+        b = module.bias
+        return out + 0.0 * ((b - b.detach()) ** 2).sum().sqrt()
+
+    return hook
+
+
+def shard_model(model, kind: str):
+    """`model` (an `nn.Sequential` of Linears) sharded over the default process group on CPU: FSDP2
+    (`fully_shard` per Linear, then the root), or FSDP1 (one unit per Linear) with `use_orig_params`
+    True (`fsdp1-orig`) or False (`fsdp1-flat`: FlatParameters)."""
+    import torch
+    from torch import nn
+
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        return fully_shard(model)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(model, use_orig_params=kind == "fsdp1-orig", device_id=torch.device("cpu"),
+                                    auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+
+
+def full_params(model, kind: str) -> dict:
+    """`{fqn: nested list}` of the full (unsharded) parameters, identical on every rank (a collective)."""
+    if kind == "fsdp2":
+        return {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model):
+        return {n: p.detach().clone().tolist() for n, p in model.named_parameters()}

@@ -68,3 +68,56 @@ def test_rest_credentials_of_a_server_client_carry_its_host_and_auth(monkeypatch
     assert isinstance(tracking_store(client), RestStore)
     creds = rest_host_creds(client)
     assert creds.host == "http://127.0.0.1:5999" and creds.token == "t0ken"
+
+
+# --- sharded gradients: what the FSDP1 / DTensor code paths read from torch ---------------------------------
+
+
+def test_fsdp1_names_and_markers_are_torchs():
+    from torch.distributed.fsdp import _common_utils, _unshard_param_utils
+
+    from rldiag.collectors.compat import torch as compat
+
+    assert compat.FSDP_PREFIX == _common_utils.FSDP_PREFIX
+    assert compat.CHECKPOINT_PREFIX == _common_utils._CHECKPOINT_PREFIX
+    assert compat.FSDP_FLATTENED == _common_utils.FSDP_FLATTENED
+    assert compat.FLAT_PARAM == _unshard_param_utils.FLAT_PARAM
+    for name in ["_fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.mlp._fsdp_wrapped_module.w",
+                 "_fsdp_wrapped_module._flat_param", "embed.weight"]:
+        assert compat.clean_fqn(name) == _common_utils.clean_tensor_name(name)
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert not compat.fsdp1_flattened(p)
+    _common_utils._set_fsdp_flattened(p)
+    assert compat.fsdp1_flattened(p) and not compat.is_flat_param(p)
+
+
+def test_fsdp1_flat_parameter_metadata_rldiag_reads_is_there():
+    # FlatParameter's documented per-parameter metadata (names, this rank's shard) and FSDP1's unit API;
+    # tests/collectors/test_sharded.py runs them for real on two gloo processes
+    from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel, ShardingStrategy, _flat_param
+
+    assert {"in_shard", "offset_in_shard", "numel_in_shard"} <= set(_flat_param._ShardParamInfo._fields)
+    for attr in ("_fqns", "_shard_param_infos", "_params"):
+        assert attr in (FlatParameter.__doc__ or ""), attr
+    assert isinstance(FullyShardedDataParallel._flat_param, property)
+    assert callable(FullyShardedDataParallel.fsdp_modules) and ShardingStrategy.NO_SHARD
+
+
+def test_dtensor_class_is_the_public_one_once_loaded():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from rldiag.collectors.compat.torch import dtensor_class
+
+    assert dtensor_class() is DTensor
+    assert Replicate().is_replicate() and Shard(0).is_shard() and not Shard(0).is_partial()
+
+
+def test_checking_a_plain_model_loads_no_fsdp_or_dtensor_module():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom rldiag.collectors import check_gradients\n"
+            "m = torch.nn.Linear(2, 2); m(torch.ones(1, 2)).sum().backward(); assert check_gradients(m).finite\n"
+            "print(sorted(x for x in ('torch.distributed.tensor', 'torch.distributed.fsdp') if x in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

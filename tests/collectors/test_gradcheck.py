@@ -93,9 +93,99 @@ def test_parameters_without_a_gradient_are_ignored():
     assert_close(torch.tensor(report.norm), torch.nn.utils.get_total_norm([model[2].weight.grad, model[2].bias.grad]))
 
 
-def test_no_gradients_at_all_is_a_finite_zero():
-    report = check_gradients(mlp())
-    assert report.finite and report.norm == 0.0
+def test_no_gradients_at_all_is_unknown_never_a_finite_zero():
+    report = check_gradients(mlp())  # no backward: no parameter has a .grad (as under DeepSpeed ZeRO)
+    assert report.finite is None and not report.found and math.isnan(report.norm)
+    assert not report.finite  # whoever asks "finite?" gets no all-clear
+    assert report.metrics() == {keys.GRAD_FOUND: 0.0}  # neither grad/finite = 1 nor grad/norm = 0
+    assert keys.GRAD_FOUND not in keys.CANONICAL_METRICS
+
+
+def test_monitor_without_gradients_logs_unknown_and_warns_once(sqlite_uri, caplog):
+    caplog.set_level(logging.WARNING, logger="rldiag")
+    model, results = mlp(), []
+    with Monitor("gradcheck", run_name="no-grad", tracking_uri=sqlite_uri, policy="skip") as mon:
+        for step in range(3):
+            loss = model(torch.ones(2, 4)).pow(2).mean()
+            if step == 1:  # a real step in between: checked as usual
+                loss.backward()
+            results.append((mon.step(step, model, loss=loss), mon.last_report))
+            model.zero_grad()  # set_to_none: steps 0 and 2 have no .grad at all
+    assert [ok for ok, _ in results] == [True, True, True]  # nothing to skip when nothing was checked
+    assert [r.found for _, r in results] == [False, True, False]
+    assert results[1][1].finite is True and results[0][1].finite is None
+    warnings = [r.getMessage() for r in caplog.records if "no parameter has a gradient" in r.getMessage()]
+    assert len(warnings) == 1 and "step 0" in warnings[0] and keys.GRAD_FOUND in warnings[0]
+    assert mon.events == []  # no alert
+
+    client = mlflow.MlflowClient(sqlite_uri)
+    assert history(client, mon.run_id, keys.GRAD_FOUND) == {0: 0.0, 2: 0.0}
+    assert history(client, mon.run_id, keys.GRAD_FINITE) == {1: 1.0}
+    assert sorted(history(client, mon.run_id, keys.GRAD_NORM)) == [1]
+    assert sorted(history(client, mon.run_id, keys.GRAD_NONFINITE_PARAMS)) == [1]
+    assert sorted(history(client, mon.run_id, keys.LOSS)) == [0, 1, 2]
+
+
+# --- sparse gradients (nn.Embedding(sparse=True)) ---------------------------------------------------------
+
+
+class SparseLM(TinyLM):
+    """TinyLM with a sparse embedding: its `.grad` is an uncoalesced sparse COO tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, D, sparse=True)
+
+
+def test_sparse_gradients_are_checked_with_their_true_norm():
+    model = SparseLM()
+    ids = torch.tensor([[1, 1, 2, 1], [2, 3, 3, 1]])  # repeated ids: the sparse grad repeats their rows
+    lm_loss(model(ids), ids).backward()
+    g = model.embed.weight.grad
+    assert g.layout == torch.sparse_coo and not g.is_coalesced()
+    report = check_gradients(model)
+    assert report.finite and report.nonfinite_params == []
+    dense = [g.to_dense(), model.head.weight.grad, model.head.bias.grad]
+    assert_close(torch.tensor(report.norm), torch.nn.utils.get_total_norm(dense))
+
+
+def test_a_nan_in_a_sparse_gradient_is_named_and_skip_zeroes_it(sqlite_uri):
+    model = SparseLM()
+    ids = lm_batch()
+    emb = model.embed(ids)
+    loss = lm_loss(model.head(emb), ids) + nan_grad_through(emb[1, 2])  # NaN in one embedding row only
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert torch.isnan(model.embed.weight.grad.coalesce().values()).any()
+    report = check_gradients(model)
+    assert not report.finite and report.nonfinite_params == ["embed.weight"]
+    with Monitor("gradcheck", run_name="sparse", tracking_uri=sqlite_uri, policy="skip") as mon:
+        assert mon.step(0, model, loss=loss) is False
+    assert mon.last_report.nonfinite_params == ["embed.weight"]
+    assert model.embed.weight.grad.coalesce().values().count_nonzero() == 0
+    assert model.head.weight.grad.count_nonzero() == 0
+    client = mlflow.MlflowClient(sqlite_uri)
+    assert history(client, mon.run_id, keys.GRAD_FINITE) == {0: 0.0}
+
+
+def test_sparse_gradients_through_the_accumulated_check():
+    from rldiag.collectors.gradcheck import AccumulatedGradCheck
+
+    model = SparseLM()
+    check = AccumulatedGradCheck(model.named_parameters())
+    ids = lm_batch()
+    lm_loss(model(ids), ids).backward()
+    report, _ = check.collect()
+    dense = [model.embed.weight.grad.to_dense(), model.head.weight.grad, model.head.bias.grad]
+    assert report.finite
+    assert_close(torch.tensor(report.norm, dtype=torch.float32), torch.nn.utils.get_total_norm(dense))
+    model.zero_grad()
+    emb = model.embed(ids)
+    (lm_loss(model.head(emb), ids) + nan_grad_through(emb[0, 0])).backward()
+    report, _ = check.collect()
+    assert not report.finite and report.nonfinite_params == ["embed.weight"]
+    check.remove()
 
 
 # --- (b) a NaN in one parameter at a known step ------------------------------------------------------
