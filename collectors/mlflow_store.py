@@ -8,22 +8,42 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 from rldiag.collectors.compat.mlflow import rest_host_creds, tracking_store
 from rldiag.collectors.journal import Point
-from rldiag.collectors.limits import Refused
-from rldiag.collectors.uri import is_http, probe_server, redact_uri
+from rldiag.collectors.limits import MAX_KEY_CHARS, Refused, clean_key, key_problem
+from rldiag.collectors.uri import is_http, probe_server, redact_text, redact_uri
 
 log = logging.getLogger("rldiag.mlflow")
 
 MAX_PARAM_CHARS = 6000  # MLflow truncates longer param values with only a warning
 MAX_PARAMS_PER_CALL = 100
+FAIL_RUN_TIMEOUT_S = 10.0  # how long a failed open_run waits to end the run it created
 
 
 class TrackingStoreError(RuntimeError):
     """The tracking store cannot be reached or refused the request; the message says what to fix."""
+
+
+class InvalidNameError(ValueError):
+    """A param or tag name MLflow would refuse; raised before any run is created."""
+
+
+def check_names(params: Mapping[str, str], tags: Mapping[str, str]) -> None:
+    """Raise `InvalidNameError` naming every param and tag name MLflow refuses, with a name it takes."""
+    bad = [(kind, k, why) for kind, names in (("param", params), ("tag", tags)) for k in names
+           if (why := key_problem(k)) is not None]
+    if bad:
+        shown = "; ".join(f"{kind} {k!r} {why} (e.g. {clean_key(k, MAX_KEY_CHARS)!r})" for kind, k, why in bad[:5])
+        more = f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise InvalidNameError(
+            f"MLflow does not accept these names, so no run was created: {shown}{more}. Rename them: letters, "
+            "digits, _ - . / : and spaces, no '//', '..' or leading '/', at most 250 characters "
+            "(nested params= dicts become dotted names)."
+        )
 
 
 def _mlflow():
@@ -154,7 +174,7 @@ def _probe_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
     why = probe_server(tracking_uri, timeout_s)
     if why is not None:
         raise TrackingStoreError(
-            f"cannot reach the MLflow tracking server at {redact_uri(tracking_uri)!r} ({why}). "
+            f"cannot reach the MLflow tracking server at {redact_uri(tracking_uri)!r} ({redact_text(why, tracking_uri)}). "
             "Start it (mlflow server --host 127.0.0.1 --port 5000) or fix MLFLOW_TRACKING_URI; "
             "unset it to use the local sqlite:///mlruns.db."
         )
@@ -186,35 +206,65 @@ def open_run(
     tags: Mapping[str, str] | None = None,
     params: Mapping[str, Any] | None = None,
 ):
-    """Create (or, with `run_id`, resume) a run; returns `(client, run)`. Errors name the store and the fix."""
+    """Create (or, with `run_id`, resume) a run; returns `(client, run)`. Errors name the store and the fix.
+
+    Param and tag names are checked before the run is created (`InvalidNameError`, naming each); if the
+    store still refuses the params, a run created here is ended FAILED and a resumed one keeps its
+    status: an open that fails leaves no run RUNNING.
+    """
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
 
+    flat = flatten_params(params or {})
+    all_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+    check_names(flat, all_tags)
+    shown = redact_uri(tracking_uri)
     _probe_server(tracking_uri)
+    created = None
     try:
         client = client_for(tracking_uri)
+        items = [Param(k, v) for k, v in flat.items()]
         if run_id is not None:
             run = client.get_run(run_id)
-            client.update_run(run_id, status="RUNNING")
         else:
             exp_id = _experiment_id(client, experiment)
-            all_tags = {str(k): str(v) for k, v in (tags or {}).items()}
-            run = client.create_run(exp_id, run_name=run_name, tags=all_tags)
-        flat = flatten_params(params or {})
-        items = [Param(k, v) for k, v in flat.items()]
+            run = created = client.create_run(exp_id, run_name=run_name, tags=all_tags)
         for i in range(0, len(items), MAX_PARAMS_PER_CALL):
             client.log_batch(run.info.run_id, params=items[i : i + MAX_PARAMS_PER_CALL])
-        if run_id is not None and tags:
-            client.log_batch(run_id, tags=[RunTag(str(k), str(v)) for k, v in tags.items()])
+        if run_id is not None:
+            if all_tags:
+                client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()])
+            client.update_run(run_id, status="RUNNING")  # last: a refused param leaves its status as it was
     except MlflowException as e:
+        _fail(client if created is not None else None, created)
+        first = redact_text(e.message.splitlines()[0] if e.message else str(e), tracking_uri)
         raise TrackingStoreError(
-            f"MLflow at {tracking_uri!r} refused to open the run: {e.message.splitlines()[0] if e.message else e}. "
-            "Check MLFLOW_TRACKING_URI (or tracking_uri=), the run id, and that params are not re-logged "
-            "with other values."
+            f"MLflow at {shown!r} refused to open the run: {first}. "
+            + ("The run it had created is ended FAILED. " if created is not None else "")
+            + "Check MLFLOW_TRACKING_URI (or tracking_uri=), the run id, and that params are not re-logged "
+            "with other values (a resumed run keeps the params it has: log changed ones under a new name)."
         ) from None
     except Exception as e:  # noqa: BLE001 - connection errors come in many types
+        _fail(client if created is not None else None, created)
         raise TrackingStoreError(
-            f"cannot reach the MLflow tracking store at {tracking_uri!r}: {type(e).__name__}: {e}. "
+            f"cannot reach the MLflow tracking store at {shown!r}: "
+            f"{redact_text(f'{type(e).__name__}: {e}', tracking_uri)}. "
             "Start the server or fix MLFLOW_TRACKING_URI; unset it to use the local sqlite:///mlruns.db."
         ) from None
     return client, run
+
+
+def _fail(client, run) -> None:
+    """End a run that open_run created before the store refused the rest: FAILED, not an orphan RUNNING."""
+    if client is None or run is None:
+        return
+
+    def end() -> None:
+        try:
+            client.set_terminated(run.info.run_id, status="FAILED")
+        except Exception:  # the store's first refusal is the error to show
+            log.debug("could not end run %s as FAILED", run.info.run_id, exc_info=True)
+
+    t = threading.Thread(target=end, name="rldiag-fail-run", daemon=True)  # bounded: MLflow may retry for minutes
+    t.start()
+    t.join(FAIL_RUN_TIMEOUT_S)

@@ -40,6 +40,11 @@ RLDIAG_SPILL_DIR = EnvVar("RLDIAG_SPILL_DIR", ".rldiag/spill", "Where the writer
 RLDIAG_WEBHOOK_URL = EnvVar("RLDIAG_WEBHOOK_URL", None, "Webhook for non-finite gradient alerts (never logged).")
 RLDIAG_ALERTS_JSONL = EnvVar("RLDIAG_ALERTS_JSONL", None, "JSONL file that receives every alert event.")
 RLDIAG_CLOSE_TIMEOUT = EnvVar("RLDIAG_CLOSE_TIMEOUT", "30", "Seconds close() waits for the store.")
+RLDIAG_SIGNALS = EnvVar("RLDIAG_SIGNALS", "1", "On SIGTERM/SIGINT, drain and end open runs as KILLED, then go on "
+                        "with the process's own handling (0: leave the signal handlers alone).")
+# MLflow's own credential variables: what a tracking URI without userinfo authenticates with.
+MLFLOW_CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                          "MLFLOW_TRACKING_CLIENT_CERT_PATH", "DATABRICKS_TOKEN")
 
 DEFAULT_DB = "mlruns.db"
 

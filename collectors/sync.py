@@ -2,26 +2,61 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 
-from rldiag.collectors.journal import read_journal
-from rldiag.collectors.settings import default_tracking_uri
+from rldiag.collectors.journal import JournalContents, read_journal
+from rldiag.collectors.settings import MLFLOW_CREDENTIAL_VARS, MLFLOW_TRACKING_URI, default_tracking_uri
+from rldiag.collectors.uri import redact_uri, same_store, strip_secrets
 from rldiag.collectors.writer import MetricWriter, SendFn, WriterStats
+
+log = logging.getLogger("rldiag.sync")
 
 
 class JournalError(ValueError):
     """The file is not an rldiag journal, or it names no run."""
 
 
+def journal_tracking_uri(contents: JournalContents, tracking_uri: str | None = None) -> tuple[str, str | None]:
+    """The store to replay into, and a one-line note when its credentials could not be found.
+
+    `tracking_uri` (`--tracking-uri`) wins; else the journal's own URI. Journals keep that URI without
+    its credentials: then it is `MLFLOW_TRACKING_URI` when that names the same store; else the URI
+    without the hidden parts, which works for a store that needs no credentials or gets them from
+    MLflow's own variables (MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN); the note says which.
+    """
+    if tracking_uri:
+        return tracking_uri, None
+    stored = contents.tracking_uri
+    if not stored:
+        return default_tracking_uri(), None
+    if not contents.uri_redacted:
+        return stored, None
+    env = MLFLOW_TRACKING_URI.get()
+    if env and same_store(env, stored):
+        return env, None
+    bare = strip_secrets(stored)
+    if any(os.environ.get(v) for v in MLFLOW_CREDENTIAL_VARS):
+        return bare, None
+    elsewhere = f" (MLFLOW_TRACKING_URI names another store, {redact_uri(env)})" if env else ""
+    return bare, (f"the journal's store {stored} had credentials, which journals never keep, and neither "
+                  f"--tracking-uri nor MLFLOW_TRACKING_URI gives them{elsewhere}: trying {redact_uri(bare)} "
+                  "without; pass --tracking-uri with the credentials if the store refuses")
+
+
 def sync_journal(path: str | Path, *, tracking_uri: str | None = None, send: SendFn | None = None,
-                 timeout_s: float = 120.0) -> tuple[WriterStats, int]:
+                 timeout_s: float = 120.0, on_note: Callable[[str], None] | None = None) -> tuple[WriterStats, int]:
     """Deliver a journal's unacknowledged batches; returns the writer's stats and the damaged-line count.
 
-    The store is `tracking_uri`, else the one the journal names, else the default. Calls stay within
-    MLflow's limits whatever the journal's batches hold (older rldiag wrote 1000 points plus tags in
-    one); points the store refuses for good are set aside with a warning and counted in
-    `stats.refused`, and never hold up the rest. The file is removed once everything in it is
-    delivered or set aside, and kept (with acks for what was delivered) otherwise.
+    The store is `tracking_uri`, else the one the journal names (its credentials from
+    MLFLOW_TRACKING_URI: see `journal_tracking_uri`), else the default. Calls stay within MLflow's
+    limits whatever the journal's batches hold (older rldiag wrote 1000 points plus tags in one);
+    points the store refuses for good are set aside with a warning and counted in `stats.refused`,
+    and never hold up the rest. The file is removed once everything in it is delivered or set aside,
+    and kept (with acks for what was delivered) otherwise. A note about the store (credentials not
+    found) goes to `on_note` before anything is sent, or is logged as a warning without it.
     """
     path = Path(path)
     if not path.is_file():
@@ -29,7 +64,12 @@ def sync_journal(path: str | Path, *, tracking_uri: str | None = None, send: Sen
     contents = read_journal(path)
     if contents.run_id is None:
         raise JournalError(f"{path} has no rldiag journal header (first line); is it a writer journal?")
-    uri = tracking_uri or contents.tracking_uri or default_tracking_uri()
+    uri, note = journal_tracking_uri(contents, tracking_uri)
+    if note is not None and send is None:
+        if on_note is not None:
+            on_note(note)
+        else:
+            log.warning("rldiag sync %s: %s", path, note)
     if send is None:
         from rldiag.collectors.mlflow_store import make_sender
 

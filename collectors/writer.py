@@ -19,7 +19,15 @@
   about the run, not the points: they are kept and retried like an outage.
 - `close()` drains with a bounded wait. What is still undelivered is counted and reported with the
   journal's path and the `rldiag sync` command that replays it; a fully delivered journal is removed.
-  A writer started again for the same run replays its journal first.
+  A writer started again for the same run replays its journal first. After `close()`, `flush()`
+  returns at once and `log_metrics` / `set_tags` warn once (counted in `stats.after_close`).
+- A value that makes the ingest thread raise (an int past float's range, a `__float__` that fails) is
+  warned about, counted in `stats.rejected` and skipped; the thread goes on.
+- Errors and warnings never show the tracking URI's credentials (`uri.redact_text`): MLflow's own
+  errors quote the URL they called, password included.
+- After `os.fork()` the child holds no writer of its parent: the parent's writers are marked closed in
+  the child (no wait for threads that the child does not have, no undelivered-points report at its
+  exit), and logging through one there raises `ForkedWriterError`.
 
 Modelled on MLflow's `async_logging_queue.py`: injected send function, batch merging up to a cap,
 flush, drain at exit.
@@ -30,6 +38,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -59,6 +68,7 @@ from rldiag.collectors.limits import (
     json_len,
     key_problem,
 )
+from rldiag.collectors.uri import redact_text
 
 log = logging.getLogger("rldiag.writer")
 
@@ -75,16 +85,22 @@ class WriterStats:
     rejected: int = 0  # values that are not numbers (None, str, ...), steps past int64: warned about, not written
     refused: int = 0  # points and tags the store refused for good: warned about, set aside, the rest delivered
     replayed: int = 0  # points delivered from an earlier journal of the same run
-    undelivered: int = 0  # set by close(): points still only in the journal
+    undelivered: int = 0  # set by close(): points still only in the journal (or, see close(), not even there)
+    after_close: int = 0  # points and tags logged after close(): warned about once, not written
     send_failures: int = 0  # store calls that failed and were retried
     journal_errors: int = 0
     last_error: str | None = None
     last_refusal: str | None = None  # the latest refused entry and the store's reason
 
 
+class ForkedWriterError(RuntimeError):
+    """Logging, in a process made by `os.fork()`, through a writer that its parent opened."""
+
+
 class _Flush:
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.ok = False  # set with the event: everything enqueued before it was delivered
 
 
 _STOP = object()
@@ -133,6 +149,12 @@ class MetricWriter:
         self._ingest_done = threading.Event()
         self._give_up = threading.Event()
         self._closed = False
+        self._close_done = threading.Event()
+        self._pid = os.getpid()
+        self._uri = tracking_uri
+        self._flush_lock = threading.Lock()
+        self._flush_markers: set[_Flush] = set()
+        self._flushes_released = False
         self._warned: set[str] = set()
         self._key_cache: dict[str, str] = {}
         self._tag_key_cache: dict[str, str] = {}
@@ -161,19 +183,50 @@ class MetricWriter:
     def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Enqueue `{key: value}` at `step`. Never blocks; values are validated in the background."""
         if self._closed:
-            raise RuntimeError(f"writer for run {self.run_id} is closed; metrics at step {step} were not logged")
+            self._after_close(len(metrics), f"metrics at step {step}")
+            return
         ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         self._q.put((int(step), ts, dict(metrics)))  # a copy: the caller may reuse its dict
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Enqueue run tags (delivered in order with the metrics)."""
+        if self._closed:
+            self._after_close(len(tags), "tags")
+            return
         self._q.put((None, 0, dict(tags)))
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until everything enqueued before this call reached the store; False on timeout."""
+        """Wait until everything enqueued before this call reached the store; False on timeout.
+
+        After `close()` it returns at once: True when close() delivered everything."""
+        if self._closed:
+            if os.getpid() != self._pid:
+                return False  # a forked child: its parent's writer delivers nothing from here
+            self._close_done.wait(timeout)  # a close() in progress on another thread ends within its bound
+            return self._close_done.is_set() and self.stats.undelivered == 0
         marker = _Flush()
+        with self._flush_lock:
+            if self._flushes_released:
+                return self.stats.undelivered == 0
+            self._flush_markers.add(marker)
         self._q.put(marker)
-        return marker.event.wait(timeout)
+        try:
+            return marker.event.wait(timeout) and marker.ok
+        finally:
+            with self._flush_lock:
+                self._flush_markers.discard(marker)
+
+    def _after_close(self, n: int, what: str) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedWriterError(
+                f"rldiag: this process (pid {os.getpid()}) was forked from pid {self._pid}, whose writer for run "
+                f"{self.run_id} cannot deliver from here; {what} were not logged. Log from the parent, or open "
+                "a Monitor / RunSession in the child (run_id= to log to the same run)."
+            )
+        self.stats.after_close += n
+        self._warn_once("after-close", "rldiag: %s logged after the writer of run %s was closed are not written "
+                        "(this warning is shown once; later ones are counted in stats.after_close). Log before "
+                        "close(), or open a new Monitor / RunSession(run_id=...) to go on.", what, self.run_id)
 
     def close(self, timeout: float | None = None) -> WriterStats:
         """Drain within `timeout` seconds (default `close_timeout_s`); report what was not delivered."""
@@ -181,7 +234,13 @@ class MetricWriter:
             return self.stats
         self._closed = True
         _live_writers.discard(self)
-        deadline = time.monotonic() + (self._close_timeout if timeout is None else timeout)
+        try:
+            return self._close(self._close_timeout if timeout is None else timeout)
+        finally:
+            self._close_done.set()
+
+    def _close(self, timeout: float) -> WriterStats:
+        deadline = time.monotonic() + timeout
         self._q.put(_STOP)
         self._ingest_done.wait(max(0.0, deadline - time.monotonic()))
         with self._cv:
@@ -193,7 +252,15 @@ class MetricWriter:
             self._cv.notify_all()
             left = sum(b.size for b in [*self._pending, *self._inflight] if isinstance(b, Batch))
             left -= self._inflight_done if self._inflight else 0
-        self.stats.undelivered = left + self._q.qsize()  # qsize: items the ingest thread never reached
+        queued = self._drain_queue()  # points the ingest thread never reached (it was stuck): not journaled
+        if not self._ingest_done.is_set():
+            self._q.put(_STOP)  # the drain may have taken it: the thread must still stop when it gets free
+        self.stats.undelivered = left + queued
+        with self._flush_lock:  # no flush() waits past close(), whatever it waited for
+            self._flushes_released = True
+            for m in self._flush_markers:
+                m.ok = self.stats.undelivered == 0
+                m.event.set()
         if self.journal is not None:
             self.journal.close(delete=self.stats.undelivered == 0 and self.stats.journal_errors == 0)
         if self.stats.undelivered:
@@ -202,6 +269,8 @@ class MetricWriter:
                 if self.journal is not None
                 else "No journal was kept (spill_dir=None or the disk refused it): they are lost."
             )
+            if queued and self.journal is not None:
+                where += f" ({queued} of them were still queued, never journaled: those are lost.)"
             log.error(
                 "rldiag: %d metric points of run %s were not delivered (last error: %s). %s",
                 self.stats.undelivered, self.run_id, self.stats.last_error, where,
@@ -216,6 +285,12 @@ class MetricWriter:
 
     # ---- ingest thread ---------------------------------------------------------------------------
     def _ingest_loop(self) -> None:
+        try:
+            self._ingest()
+        finally:
+            self._ingest_done.set()  # even if it died: close() must not wait for it in vain
+
+    def _ingest(self) -> None:
         buf: list[Point] = []
         tags: dict[str, str] = {}
         stop = False
@@ -241,15 +316,31 @@ class MetricWriter:
                     buf, tags = [], {}
                     self._push(it)
                 else:
-                    step, ts, payload = it
-                    if step is None:
-                        self._convert_tags(payload, tags)
-                    else:
-                        self._convert(payload, step, ts, buf)
-                    buf, tags = self._emit_full(buf, tags)
-            self._emit(buf, tags)
+                    buf, tags = self._ingest_item(it, buf, tags)
+            try:
+                self._emit(buf, tags)
+            except Exception as e:  # noqa: BLE001 - a bug must cost these points, not the thread
+                self._ingest_failed(len(buf) + len(tags), e)
             buf, tags = [], {}
-        self._ingest_done.set()
+
+    def _ingest_item(self, it: tuple, buf: list[Point], tags: dict[str, str]) -> tuple[list[Point], dict[str, str]]:
+        step, ts, payload = it
+        seen = self.stats.enqueued + self.stats.rejected
+        try:
+            if step is None:
+                self._convert_tags(payload, tags)
+            else:
+                self._convert(payload, step, ts, buf)
+            return self._emit_full(buf, tags)
+        except Exception as e:  # noqa: BLE001 - whatever a value does, the thread goes on
+            counted = self.stats.enqueued + self.stats.rejected - seen
+            self._ingest_failed(max(0, len(payload) - counted) if step is not None else 0, e)
+            return buf, tags
+
+    def _ingest_failed(self, n: int, e: Exception) -> None:
+        self.stats.rejected += n
+        self._warn_once(f"ingest:{type(e).__name__}", "rldiag: the writer of run %s could not take %d value(s) "
+                        "(%s: %s); skipped, the rest goes on", self.run_id, n, type(e).__name__, _safe_repr(e))
 
     def _emit_full(self, buf: list[Point], tags: dict[str, str]) -> tuple[list[Point], dict[str, str]]:
         """Journal and queue full batches (at most `max_batch` entries, at most MAX_TAGS tags);
@@ -267,13 +358,18 @@ class MetricWriter:
 
     def _convert_tags(self, payload: Mapping, out: dict[str, str]) -> None:
         for key, value in payload.items():
-            k = self._tag_key_cache.get(key)
-            if k is None:
-                k = self._tag_key_cache[key] = clean_key(str(key), MAX_KEY_CHARS)
-                if k != str(key):
-                    self._warn_once(f"tag-key:{key}", "rldiag: tag name %r is not accepted by MLflow (it %s); "
-                                    "setting it as %r", key, key_problem(str(key)), k)
-            v = str(value)
+            try:
+                k = self._tag_key_cache.get(key)
+                if k is None:
+                    k = self._tag_key_cache[key] = clean_key(str(key), MAX_KEY_CHARS)
+                    if k != str(key):
+                        self._warn_once(f"tag-key:{key}", "rldiag: tag name %r is not accepted by MLflow (it %s); "
+                                        "setting it as %r", key, key_problem(str(key)), k)
+                v = str(value)
+            except Exception as e:  # noqa: BLE001 - a key or value whose str() fails
+                self._warn_once(f"tag-value:{type(e).__name__}", "rldiag: a tag could not be made a string (%s: %s); "
+                                "not set", type(e).__name__, _safe_repr(e))
+                continue
             if len(v) > MAX_TAG_VALUE_CHARS:
                 self._warn_once(f"tag-value:{k}", "rldiag: tag %r is %d characters; MLflow keeps %d, setting it "
                                 "truncated", k, len(v), MAX_TAG_VALUE_CHARS)
@@ -292,19 +388,27 @@ class MetricWriter:
                 v = float(value)
             except (TypeError, ValueError):
                 self.stats.rejected += 1
-                self._warn_once(f"value:{key}", "rldiag: metric %r at step %d has value %r (%s), not a number: "
-                                "not logged. Log a float, int or one-element tensor.", key, step, value, type(value).__name__)
+                self._warn_once(f"value:{key}", "rldiag: metric %r at step %d has value %s (%s), not a number: "
+                                "not logged. Log a float, int or one-element tensor.", key, step, _safe_repr(value),
+                                type(value).__name__)
                 continue
-            self.stats.enqueued += 1
+            except Exception as e:  # noqa: BLE001 - OverflowError (an int past float's range), a failing __float__
+                self.stats.rejected += 1
+                self._warn_once(f"value:{key}", "rldiag: metric %r at step %d has value %s (%s), which does not "
+                                "convert to a float (%s: %s): not logged", key, step, _safe_repr(value),
+                                type(value).__name__, type(e).__name__, _safe_repr(e))
+                continue
             k = self._key_cache.get(key)
             if k is None:
-                k = self._key_cache[key] = clean_key(str(key))
+                k = clean_key(str(key))
                 if k != str(key):
                     why = key_problem(str(key)) or (
                         f"is over {MAX_METRIC_KEY_CHARS} characters, which leaves no room for its inf flag "
                         f"{keys.INF_FLAG_PREFIX}<key> in MLflow's {MAX_KEY_CHARS}")
                     self._warn_once(f"key:{key}", "rldiag: metric key %r is not accepted by MLflow (it %s); "
                                     "logging it as %r", key, why, k)
+                self._key_cache[key] = k
+            self.stats.enqueued += 1
             out.append((k, v, ts, step))
             if math.isinf(v):
                 out.append((keys.inf_flag_key(k), 1.0 if v > 0 else -1.0, ts, step))
@@ -366,6 +470,7 @@ class MetricWriter:
                     self._inflight, self._inflight_done = group, 0
                     self._pending_points -= sum(b.size for b in group)
             if isinstance(group, _Flush):
+                group.ok = True
                 group.event.set()
                 continue
             if not self._deliver(group):
@@ -386,7 +491,7 @@ class MetricWriter:
             try:
                 self._send_entries(chunk)
             except Refused as e:
-                reason = f"{e}"[:300]
+                reason = redact_text(f"{e}", self._uri)[:300]
                 local = [(x, entry_problem(x)) for x in chunk]
                 bad = [(x, f"{why}; the store said: {reason}") for x, why in local if why is not None]
                 if not bad and len(chunk) == 1:
@@ -461,7 +566,7 @@ class MetricWriter:
     def _back_off(self, e: Exception, *, run_level: bool = False) -> bool:
         """Count a failed call, warn once, wait; False when close() gave up waiting."""
         self.stats.send_failures += 1
-        self.stats.last_error = f"{type(e).__name__}: {e}"[:500]
+        self.stats.last_error = redact_text(f"{type(e).__name__}: {e}", self._uri)[:500]
         if run_level and isinstance(e, Refused):
             self._warn_once("run-refused", "rldiag: the tracking store refuses every write to run %s (%s); is the "
                             "run deleted, or are the credentials wrong? Metrics are kept and retried with back-off",
@@ -543,6 +648,36 @@ class MetricWriter:
             self._warned.add(what)
             log.warning(msg, *args)
 
+    def _drain_queue(self) -> int:
+        """Empty the queue; the number of points and tags in it (what the ingest thread never took)."""
+        n = 0
+        while True:
+            try:
+                it = self._q.get_nowait()
+            except queue.Empty:
+                return n
+            if isinstance(it, tuple):
+                n += len(it[2])
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: this writer's threads are the parent's and its journal is the parent's."""
+        self._closed = True  # (no Event.set() here: a parent thread may have held its lock at the fork)
+        if self.journal is not None:
+            try:
+                self.journal.abandon()
+            except OSError:
+                pass
+            self.journal = None
+
+
+def _safe_repr(value: object, limit: int = 80) -> str:
+    """A short repr that cannot fail (an int of 5000 digits has no repr in Python 3.11+)."""
+    try:
+        r = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__, or an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
 
 _live_writers: weakref.WeakSet[MetricWriter] = weakref.WeakSet()
 
@@ -550,4 +685,16 @@ _live_writers: weakref.WeakSet[MetricWriter] = weakref.WeakSet()
 @atexit.register
 def _drain_at_exit() -> None:
     for w in list(_live_writers):
-        w.close()
+        if w._pid == os.getpid():
+            w.close()
+
+
+def _after_fork_in_child() -> None:
+    # The child has none of the writers' threads: closing one there would wait its full close timeout
+    # and then report the parent's in-flight points as undelivered.
+    for w in list(_live_writers):
+        w._forget_after_fork()
+    _live_writers.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

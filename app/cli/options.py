@@ -37,6 +37,9 @@ class _SetEnv(argparse.Action):
 
 
 def first_line(e: BaseException) -> str:
-    """`Type: first line of the message`, what a one-line error shows of an exception from a library."""
+    """`Type: first line of the message`, what a one-line error shows of an exception from a library,
+    with any credentials in it hidden (MLflow's errors quote the URL they called, password included)."""
+    from rldiag.collectors.uri import redact_text
+
     text = str(e)
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    return redact_text(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")

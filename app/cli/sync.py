@@ -21,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     for f in args.files:
         try:
-            stats, corrupt = sync_journal(f, tracking_uri=args.tracking_uri, timeout_s=args.timeout)
+            stats, corrupt = sync_journal(f, tracking_uri=args.tracking_uri, timeout_s=args.timeout,
+                                          on_note=lambda note, f=f: print(f"{f}: {note}", flush=True))
         except JournalError as e:
             raise CliError(str(e)) from None
         note = f", {corrupt} damaged lines skipped" if corrupt else ""

@@ -28,6 +28,7 @@ from rldiag.app.errors import DataError, StoreUnreachable
 from rldiag.app.plots.figures import ChartOptions, metric_figure
 from rldiag.app.plots.grid_figure import grid_figure
 from rldiag.collectors import keys
+from rldiag.collectors.uri import redact_text
 
 RUNS_TTL_S = 5  # run list and status: short, so that a live run's status and new runs show up
 CONFIG_TTL_S = 30
@@ -47,7 +48,7 @@ def _client_call(uri: str, what: str, fn):
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - MLflow and connection errors come in many types
-        first = str(e).splitlines()[0] if str(e) else ""
+        first = redact_text(str(e).splitlines()[0]) if str(e) else ""
         raise StoreUnreachable(f"{what} in {uri!r} failed: {type(e).__name__}: {first}. "
                                "Check the tracking URI (sidebar) or MLFLOW_TRACKING_URI.") from None
 

@@ -31,6 +31,7 @@ from rldiag.app.data.store import Store, connect_postgres
 from rldiag.app.data.trace import RawSeries
 from rldiag.app.errors import StoreUnreachable
 from rldiag.collectors.compat.mlflow import rest_host_creds
+from rldiag.collectors.uri import redact_text
 
 Pair = tuple[str, str]  # (run_id, key as logged)
 
@@ -345,7 +346,7 @@ def _parallel(fn, items: Sequence, max_workers: int, store: Store) -> list:
                               "check the run id (rldiag reads runs, it never creates them)") from None
         if isinstance(e, (OSError, MlflowException)) or "Connection" in type(e).__name__:
             raise StoreUnreachable(f"reading metric histories from {store.uri!r} failed: {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''}. Check that the store is up "
+                                   f"{redact_text(str(e).splitlines()[0]) if str(e) else ''}. Check that the store is up "
                                    "and MLFLOW_TRACKING_URI points at it.") from None
         raise
 

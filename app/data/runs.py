@@ -12,7 +12,7 @@ import pandas as pd
 from rldiag.app.data.store import Store, require_store
 from rldiag.app.errors import DataError, ExperimentNotFound, NoRunsFound, RunNotFound, StoreUnreachable
 from rldiag.collectors import keys
-from rldiag.collectors.uri import redact_uri
+from rldiag.collectors.uri import redact_text, redact_uri
 
 RUN_COLUMNS: tuple[str, ...] = (
     "run_id", "name", "experiment", "experiment_id", "status", "start_time", "end_time",
@@ -90,7 +90,7 @@ def find_runs(
         raise
     except Exception as e:  # noqa: BLE001 - MLflow and connection errors come in many types
         raise StoreUnreachable(f"searching runs in {store.uri!r} failed: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}. Check MLFLOW_TRACKING_URI.") from None
+                               f"{redact_text(str(e).splitlines()[0]) if str(e) else ''}. Check MLFLOW_TRACKING_URI.") from None
 
     df = pd.DataFrame([_row(r, exp_names) for r in runs], columns=list(RUN_COLUMNS))
     for col, tag in (("group", keys.TAG_GROUP), ("variant", keys.TAG_VARIANT), ("role", keys.TAG_ROLE)):

@@ -38,7 +38,7 @@ from rldiag.app.watch.events import WatchAlert, divergence_event
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import AlertDispatcher, MlflowTagSink, NonFiniteGradAlert
-from rldiag.collectors.uri import redact_uri
+from rldiag.collectors.uri import redact_text, redact_uri
 
 log = logging.getLogger("rldiag.watch")
 
@@ -290,7 +290,7 @@ def loop(watcher: Watcher, interval: float, stop: threading.Event, *, once: bool
             res = watcher.poll()
         except errors as e:
             failures += 1
-            first = str(e).splitlines()[0] if str(e) else ""
+            first = redact_text(str(e).splitlines()[0] if str(e) else "", watcher.store.uri)
             if once:
                 log.error("rldiag watch: the tracking store at %s did not answer: %s: %s", uri, type(e).__name__, first)
                 return 2

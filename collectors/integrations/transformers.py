@@ -280,8 +280,10 @@ class RldiagCallback(TrainerCallback):
         try:
             self.session.client.log_batch(self.session.run_id, params=items)
         except Exception as e:  # noqa: BLE001 - a param logged earlier with another value; not worth a crash
+            from rldiag.collectors.uri import redact_text
+
             log.warning("rldiag: could not log the trainer params on run %s (%s: %s)",
-                        self.session.run_id, type(e).__name__, e)
+                        self.session.run_id, type(e).__name__, redact_text(str(e)))
 
     def _mapped(self, logs: Mapping[str, Any]) -> dict[str, float]:
         """The trainer's numbers under their own names plus the canonical key of each alias, except

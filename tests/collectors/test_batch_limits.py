@@ -360,7 +360,8 @@ def test_server_outage_then_nan_alert_then_recovery_and_sync(mlflow_server, tmp_
         train_with_alert(w, runs[name])
     for rid in runs.values():
         wait_for(lambda rid=rid: journaled_points(journal_path(spill, rid)) == STEPS * len(KEYS), "the journals")
-    assert writers["A"].stats.delivered == 0 and writers["A"].stats.send_failures > 0
+    wait_for(lambda: writers["A"].stats.send_failures > 0, "a failed send to the dead server")
+    assert writers["A"].stats.delivered == 0
     b = writers["B"].close(timeout=1)
     assert b.delivered == 0 and b.undelivered == STEPS * len(KEYS) + 3
     mlflow_server.start()

@@ -125,3 +125,90 @@ def test_two_writer_processes_and_a_reader_on_one_sqlite_file(sqlite_uri, tmp_pa
     for rid in ids:
         assert final.get(rid, "m7").steps.tolist() == list(range(steps))
         np.testing.assert_array_equal(final.get(rid, "m7").values, np.arange(steps) + 7.0)
+
+
+def test_refused_param_name_leaves_no_running_run_and_names_the_fix(sqlite_uri):
+    from rldiag.collectors.mlflow_store import InvalidNameError, TrackingStoreError
+    from rldiag.collectors.session import RunSession
+
+    with pytest.raises(InvalidNameError) as e:
+        RunSession("names", tracking_uri=sqlite_uri, params={"lr schedule!": "cosine", "opt": {"b(1)": 0.9}, "ok": 1})
+    msg = str(e.value)
+    assert "param 'lr schedule!'" in msg and "'lr schedule_'" in msg and "param 'opt.b(1)'" in msg
+    assert "no run was created" in msg and "Rename them" in msg
+    client = MlflowClient(sqlite_uri)
+    exps = [x.experiment_id for x in client.search_experiments()]
+    assert client.search_runs(exps) == []
+
+    # A resumed run whose params the store refuses (a changed value) keeps its status: not left RUNNING.
+    _, run = open_run(sqlite_uri, experiment="names", run_name="r", params={"lr": 0.1})
+    client.set_terminated(run.info.run_id, "FINISHED")
+    with pytest.raises(TrackingStoreError, match=r"refused to open the run: .*lr"):
+        open_run(sqlite_uri, experiment="names", run_id=run.info.run_id, params={"lr": 0.2})
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert [r.info.status for r in client.search_runs(exps + [run.info.experiment_id])] == ["FINISHED"]
+
+
+@pytest.mark.server
+def test_credentials_never_stored_or_shown_close_is_bounded_and_sync_finds_them(mlflow_server, tmp_path, caplog,
+                                                                                  monkeypatch, capsys):
+    """A tracking URI with a password, through a real `mlflow server` that is killed mid-run: the
+    journal (0600, in a 0700 folder) and every error keep the password out; close() returns within its
+    timeout although MLflow's client retries ending the run for minutes; `rldiag sync` takes the
+    credentials from MLFLOW_TRACKING_URI, and says in one line when nothing gives them."""
+    import shutil
+
+    from rldiag.app.cli.main import main
+    from rldiag.collectors.journal import read_journal
+    from rldiag.collectors.session import RunSession
+    from rldiag.collectors.settings import MLFLOW_CREDENTIAL_VARS
+    from rldiag.collectors.sync import journal_tracking_uri
+
+    monkeypatch.chdir(tmp_path)
+    for v in ("MLFLOW_TRACKING_URI", *MLFLOW_CREDENTIAL_VARS):
+        monkeypatch.delenv(v, raising=False)
+    secret = "s3cret-Pa55"
+    uri = f"http://alice:{secret}@127.0.0.1:{mlflow_server.port}"
+    spill = tmp_path / "spill"
+    timeout = 4.0
+    with caplog.at_level(logging.INFO):
+        s = RunSession("secrets", run_name="creds", tracking_uri=uri, spill_dir=spill, close_timeout_s=timeout)
+        s.writer.log_metrics({"m": 0.0}, 0)
+        assert s.writer.flush(60)
+        mlflow_server.kill()
+        for step in range(1, 50):
+            s.writer.log_metrics({"m": float(step)}, step)
+        time.sleep(1.0)  # the sender tries, and MLflow's error quotes the URL it called
+        t0 = time.monotonic()
+        stats = s.close()
+        took = time.monotonic() - t0
+    assert took < timeout + 1.5  # set_terminated, which MLflow retries for minutes, is not waited for
+    assert stats.undelivered == 49 and stats.send_failures > 0
+    assert "alice:***@127.0.0.1" in stats.last_error and secret not in stats.last_error
+    assert secret not in caplog.text and "49 metric points" in caplog.text
+    path = journal_path(spill, s.run_id)
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(spill).st_mode & 0o777 == 0o700
+    text = path.read_text()
+    assert secret not in text and '"tracking_uri":"http://alice:***@127.0.0.1' in text
+
+    contents = read_journal(path)
+    bare = f"http://127.0.0.1:{mlflow_server.port}"
+    assert contents.uri_redacted and journal_tracking_uri(contents, f"{bare}/") == (f"{bare}/", None)
+    uri_used, note = journal_tracking_uri(contents)
+    assert uri_used == bare and "had credentials" in note and secret not in note
+
+    mlflow_server.start()
+    copy = tmp_path / "copy.jsonl"
+    shutil.copy(path, copy)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert journal_tracking_uri(read_journal(copy)) == (uri, None)
+    capsys.readouterr()
+    assert main(["sync", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "had credentials" not in out and secret not in out and "delivered" in out
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert main(["sync", str(path)]) == 0  # this server takes it without credentials too
+    out = capsys.readouterr().out
+    assert out.count("had credentials") == 1 and secret not in out
+    got = MlflowClient(bare).get_metric_history(s.run_id, "m")
+    assert sorted(m.step for m in got) == list(range(50))  # each once, though both journals were replayed

@@ -93,6 +93,9 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, kind: str)
     dtensors = _replicated_and_partial_dtensors(rank, world) if kind == "fsdp2" else None
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
         {"results": results, "run_id": run_id, "state": state, "ref_state": ref_state, "dtensors": dtensors}))
+    # both ranks done with every collective before either tears gloo down: a rank that destroys its
+    # process group while the other still talks to it can abort (SIGABRT) at exit on a loaded machine
+    dist.barrier()
     dist.destroy_process_group()
 
 

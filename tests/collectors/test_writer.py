@@ -231,3 +231,63 @@ def test_frozen_server_does_not_block_training(mlflow_server, tmp_path):
     stats = w.close(timeout=120)
     assert stats.undelivered == 0
     assert history(uri, run_id, "r") == [(s, float(s)) for s in range(300)]
+
+
+def test_value_that_breaks_float_is_skipped_and_the_ingest_thread_goes_on(sqlite_uri, tmp_path, caplog):
+    """An int past float's range (OverflowError; 10**5000 has no repr either) and a `__float__` that
+    raises used to kill the ingest thread: close() then waited its whole timeout and miscounted."""
+
+    class DeviceLost:
+        def __float__(self):
+            raise RuntimeError("CUDA error: device lost")
+
+    run_id = new_run(sqlite_uri)
+    w = MetricWriter(run_id, make_sender(sqlite_uri), tracking_uri=sqlite_uri, spill_dir=tmp_path / "spill")
+    with caplog.at_level(logging.WARNING, logger="rldiag.writer"):
+        for step in range(100):
+            w.log_metrics({"ok": float(step), "huge": 10**5000 if step == 10 else 1.0,
+                           "broken": DeviceLost() if step == 20 else 2.0}, step)
+        t0 = time.monotonic()
+        stats = w.close(timeout=60)
+        took = time.monotonic() - t0
+    assert w._threads[0].is_alive() is False and took < 30  # the ingest thread drained and stopped; no timeout
+    assert (stats.enqueued, stats.rejected, stats.delivered, stats.undelivered) == (298, 2, 298, 0)
+    assert history(sqlite_uri, run_id, "ok") == [(s, float(s)) for s in range(100)]
+    assert [s for s, _ in history(sqlite_uri, run_id, "huge")] == [s for s in range(100) if s != 10]
+    assert [s for s, _ in history(sqlite_uri, run_id, "broken")] == [s for s in range(100) if s != 20]
+    assert "'huge' at step 10" in caplog.text and "OverflowError" in caplog.text and "<int>" in caplog.text
+    assert "'broken' at step 20" in caplog.text and "device lost" in caplog.text
+    assert "not delivered" not in caplog.text
+    assert not journal_path(tmp_path / "spill", run_id).exists()
+
+
+def test_after_close_flush_returns_and_logging_warns_once(sqlite_uri, tmp_path, caplog):
+    run_id = new_run(sqlite_uri)
+    w = MetricWriter(run_id, make_sender(sqlite_uri), tracking_uri=sqlite_uri, spill_dir=tmp_path / "spill")
+    w.log_metrics({"a": 1.0}, 0)
+    assert w.close(timeout=60).undelivered == 0
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(w.flush()), daemon=True)  # no timeout: used to block forever
+    t.start()
+    t.join(10)
+    assert got == [True]
+    with caplog.at_level(logging.WARNING, logger="rldiag.writer"):
+        w.log_metrics({"a": 2.0, "b": 3.0}, 1)
+        w.set_tags({"t": "x"})
+        w.log_metrics({"a": 4.0}, 2)
+    assert caplog.text.count("after the writer of run") == 1 and w.stats.after_close == 4
+    assert history(sqlite_uri, run_id, "a") == [(0, 1.0)]
+
+    # A flush waiting when close() gives up (the store down) is released with False, not left hanging.
+    def down(run_id, metrics, tags):
+        raise ConnectionError("store down")
+
+    w2 = MetricWriter(new_run(sqlite_uri), down, spill_dir=tmp_path / "spill", backoff_s=(0.01, 0.05))
+    w2.log_metrics({"a": 1.0}, 0)
+    got2: list[bool] = []
+    t2 = threading.Thread(target=lambda: got2.append(w2.flush()), daemon=True)
+    t2.start()
+    time.sleep(0.3)
+    assert w2.close(timeout=1).undelivered == 1
+    t2.join(10)
+    assert got2 == [False] and w2.flush() is False
