@@ -59,6 +59,21 @@ def bad_steps(h: Histories, run_id: str) -> list[BadStep]:
     return out
 
 
+def unchecked_steps(h: Histories, run_id: str) -> list[int]:
+    """Steps where rldiag's collectors found no gradient to check (`grad/found` = 0: DeepSpeed ZeRO's own
+    buffers, a call after zero_grad): unknown, so never counted as finite."""
+    t = h.get(run_id, keys.GRAD_FOUND)
+    return [] if t is None else t.steps[t.values == 0.0].tolist()
+
+
+def unchecked_text(unchecked: dict[str, list[int]], labels: dict[str, str]) -> str:
+    """One sentence naming the runs whose gradients were not checked at some steps ('' when none)."""
+    from rldiag.app.data.steps import format_ranges
+
+    parts = [f"{labels.get(r, r)} at steps {format_ranges(s, limit=8)}" for r, s in unchecked.items() if s]
+    return ("Gradients not checked (no gradient found, so unknown, not finite): " + "; ".join(parts) + ".") if parts else ""
+
+
 def _positions_text(positions: list[dict]) -> str:
     parts = []
     for p in positions:

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rldiag.app.cli.options import CliError, add_tracking_option, first_line
+from rldiag.app.cli.options import CliError, add_tracking_option, store_failed
 from rldiag.app.dashboard import RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI
 from rldiag.collectors.uri import redact_uri
 
@@ -95,8 +95,7 @@ def _check_store(uri: str, experiment: str | None) -> None:
     except DataError as e:
         raise CliError(str(e)) from None
     except store_errors() as e:
-        raise CliError(f"the tracking store {redact_uri(uri)!r} failed: {first_line(e)}. "
-                       "Check --tracking-uri (or MLFLOW_TRACKING_URI).") from None
+        raise store_failed(uri, e) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,6 +36,15 @@ class _SetEnv(argparse.Action):
         os.environ[self.env] = values
 
 
+def store_failed(uri: str | None, e: BaseException) -> CliError:
+    """The one-line error for a store that failed under a command: its URI without secrets, the
+    library's first line, and where to fix it."""
+    from rldiag.collectors.uri import redact_uri
+
+    return CliError(f"the tracking store {redact_uri(uri or '(default)')!r} failed: {first_line(e)}. "
+                    "Check --tracking-uri (or MLFLOW_TRACKING_URI).")
+
+
 def first_line(e: BaseException) -> str:
     """`Type: first line of the message`, what a one-line error shows of an exception from a library,
     with any credentials in it hidden (MLflow's errors quote the URL they called, password included)."""

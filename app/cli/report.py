@@ -6,11 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from rldiag.app.cli.options import CliError, add_tracking_option, first_line
+from rldiag.app.cli.options import CliError, add_tracking_option, store_failed
 from rldiag.app.data.store import store_errors
 from rldiag.app.errors import DataError
 from rldiag.app.report.build import DEFAULT_HTML, DEFAULT_MARKDOWN, EXAMPLES, build_report, departure_lines
-from rldiag.collectors.uri import redact_uri
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
     except (DataError, ValueError) as e:
         raise CliError(str(e)) from None
     except store_errors() as e:
-        raise CliError(f"the tracking store {redact_uri(args.tracking_uri or '(default)')!r} failed: "
-                       f"{first_line(e)}. Check --tracking-uri (or MLFLOW_TRACKING_URI).") from None
+        raise store_failed(args.tracking_uri, e) from None
     try:
         written = report.write(html_path, md_path)
     except OSError as e:

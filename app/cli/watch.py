@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 
-from rldiag.app.cli.options import CliError, add_tracking_option, first_line
+from rldiag.app.cli.options import CliError, add_tracking_option, store_failed
 from rldiag.app.data.store import open_store, store_errors
 from rldiag.app.errors import DataError
 from rldiag.app.watch.loop import DEFAULT_INTERVAL, EXAMPLES, Watcher, log, loop
@@ -79,12 +79,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             watcher = Watcher(store, state, sinks, experiments=args.experiment, tag_runs=args.tag_runs,
-                              divergence=args.divergence, include_finished=args.include_finished)
+                              divergence=args.divergence, include_finished=args.include_finished,
+                              count_skipped=args.once)
         except DataError as e:
             raise CliError(str(e)) from None
         except store_errors() as e:
-            raise CliError(f"the tracking store at {redact_uri(store.uri)!r} did not answer: {first_line(e)}. "
-                           "Check --tracking-uri.") from None
+            raise store_failed(store.uri, e) from None
         stop = threading.Event()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: stop.set())

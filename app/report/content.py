@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -27,7 +27,7 @@ from rldiag.app.analysis.divergence import (
     divergence_frame,
     summarize,
 )
-from rldiag.app.analysis.nan_events import nan_events
+from rldiag.app.analysis.nan_events import nan_events, unchecked_steps
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, nonfinite_table
 from rldiag.app.data.store import Store
@@ -64,6 +64,7 @@ class ReportContent:
     config_diff: pd.DataFrame  # rldiag.app.analysis.config_diff.config_diff, columns group, kind, name, <labels>
     figures: dict[str, object]  # key -> plotly Figure
     summaries: tuple[CandidateSummary, ...] = ()  # per candidate, in candidate order
+    unchecked: dict[str, list[int]] = field(default_factory=dict)  # run -> steps with grad/found = 0
 
     @property
     def labels(self) -> dict[str, str]:
@@ -139,7 +140,8 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     groups = sorted({i.group for i in infos if i.group})
     title = (f"group {', '.join(groups)}: " if groups else "") + f"{len(cands)} candidate(s) vs {len(refs)} reference(s)"
     return ReportContent(title, redact_uri(store.uri), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), infos,
-                         tuple(keys), divergence, events, nonfinite, diff, figures, summaries)
+                         tuple(keys), divergence, events, nonfinite, diff, figures, summaries,
+                         {r: s for r in ids if (s := unchecked_steps(histories, r))})
 
 
 # ---- formatting shared by the HTML and Markdown renderers ------------------------------------------

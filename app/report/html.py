@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 from functools import cache
 
+from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
 
@@ -109,8 +110,10 @@ def _divergence(c: ReportContent) -> str:
 
 def _nan_events(c: ReportContent) -> str:
     ev = c.nan_events
+    unchecked = unchecked_text(c.unchecked, c.labels)
     if ev.empty:
-        return "<p>No step with a non-finite gradient in any run.</p>"
+        return (f"<p>{e(unchecked)} No step with a non-finite gradient among the checked steps.</p>" if unchecked
+                else "<p>No step with a non-finite gradient in any run.</p>")
     labels = c.labels
     rows = [([e(labels[r["run_id"]]), fmt(r["step"]), fmt(r["grad_norm"]), e(r["params"] or "-"),
               e(r["positions"] or "-"), e(r["source"])], "") for r in ev.head(MAX_EVENT_ROWS).to_dict("records")]

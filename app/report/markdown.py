@@ -7,6 +7,7 @@ table cell, open a link or inject HTML. Long tables are cut at `MAX_ROWS`; the H
 
 from __future__ import annotations
 
+from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
 
@@ -74,8 +75,12 @@ def render_markdown(c: ReportContent) -> str:
 
     out += ["### Non-finite gradients", ""]
     ev = c.nan_events
+    unchecked = unchecked_text(c.unchecked, c.labels)
+    if unchecked:
+        out += [md(unchecked), ""]
     if ev.empty:
-        out.append("No step with a non-finite gradient in any run.")
+        out.append("No step with a non-finite gradient among the checked steps." if unchecked
+                   else "No step with a non-finite gradient in any run.")
     else:
         rows = []
         for run in [r.run_id for r in c.runs]:

@@ -91,11 +91,12 @@ class Watcher:
 
     def __init__(self, store: Store, state: WatchState, sinks: list, *, experiments: Sequence[str] | None = None,
                  tag_runs: bool = False, divergence: bool = False, burst: int = 3, burst_interval_s: float = 300.0,
-                 include_finished: bool = False):
+                 include_finished: bool = False, count_skipped: bool = False):
         if tag_runs and store.sqlite_path is not None:
             store = replace(store, writes_here=True)  # it writes tags into that file
         self.store, self.state, self.sinks = store, state, list(sinks)
         self.tag_runs, self.divergence, self.include_finished = tag_runs, divergence, include_finished
+        self.count_skipped = count_skipped  # one more search of every run a cycle: for --once, not each poll
         self._burst = (burst, burst_interval_s)
         self._exp_ids = self._resolve(experiments) if experiments else None
         self._h: Histories | None = None
@@ -133,7 +134,7 @@ class Watcher:
         runs = {r.info.run_id: r for r in self._search(exp_ids, "attributes.status = 'RUNNING'")}
         for r in self._search(exp_ids, f"attributes.end_time >= {int(since_ms)}"):
             runs.setdefault(r.info.run_id, r)
-        skipped = len({r.info.run_id for r in self._search(exp_ids, "")} - set(runs))
+        skipped = len({r.info.run_id for r in self._search(exp_ids, "")} - set(runs)) if self.count_skipped else 0
         return list(runs.values()), names, skipped
 
     def poll(self) -> CycleResult:

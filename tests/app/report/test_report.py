@@ -297,3 +297,17 @@ def test_runs_can_be_named_by_name_or_id_prefix(runs, tmp_path, capsys):
     assert main(["report", "--tracking-uri", runs["uri"], "--out", str(tmp_path), "--reference", "",
                  "--candidate", "cand-shifted"]) == 2
     assert "matches 6 runs" in capsys.readouterr().err
+
+
+def test_steps_whose_gradients_were_not_found_are_unknown_not_clean(store_uri, tmp_path):
+    """A run whose collector found no gradient (grad/found = 0: ZeRO, a call after zero_grad) logs no
+    grad/finite: the report must say those steps were not checked, never "no non-finite gradient"."""
+    ref = write_run(store_uri, experiment="zero", name="ref", tags={K.TAG_GROUP: "z", K.TAG_ROLE: "reference"},
+                    steps=[(s, {K.RATIO_MEAN: 1.0, K.GRAD_NORM: 1.0, K.GRAD_FINITE: 1.0}) for s in range(20)])
+    zero = write_run(store_uri, experiment="zero", name="zero3", tags={K.TAG_GROUP: "z", K.TAG_ROLE: "candidate"},
+                     steps=[(s, {K.RATIO_MEAN: 1.0, K.GRAD_FOUND: 0.0}) for s in range(20)])
+    rep = build_report(store_uri, group="z")
+    assert rep.content.unchecked == {zero: list(range(20))} and ref not in rep.content.unchecked
+    for text in (rep.markdown, rep.html):
+        assert "Gradients not checked (no gradient found, so unknown, not finite): zero3 at steps 0-19" in text
+        assert "No step with a non-finite gradient in any run" not in text
