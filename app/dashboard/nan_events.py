@@ -6,14 +6,14 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from rldiag.app.analysis.nan_events import nan_events
+from rldiag.app.analysis.nan_events import nan_events, unchecked_steps, unchecked_text
 from rldiag.app.dashboard import data
 from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs
 from rldiag.app.data.histories import nonfinite_table
 from rldiag.app.report.content import fmt
 from rldiag.collectors import keys
 
-GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.LOSS)
+GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.GRAD_FOUND, keys.LOSS)
 
 
 def event_table(sel: Selection, events: pd.DataFrame) -> pd.DataFrame:
@@ -44,7 +44,14 @@ def render() -> None:
         "alerts (tag)": [int(sel.runs.set_index("run_id").at[r, "alerts"]) for r in ids],
     })
     st.dataframe(summary, hide_index=True, key="nan.summary")
-    if events.empty:
+    no_grad = [r for r in ids if h.get(r, keys.GRAD_NORM) is None and h.get(r, keys.GRAD_FINITE) is None]
+    unchecked = unchecked_text({r: unchecked_steps(h, r) for r in ids}, sel.labels)
+    if unchecked:
+        st.warning(escape_md(unchecked), icon=":material/help:")
+    if events.empty and (no_grad or unchecked):  # not an all-clear: some steps or runs were never checked
+        st.info("No non-finite gradient among the steps that logged one; the runs and steps named here and "
+                "below were not checked.", icon=":material/help:")
+    elif events.empty:
         st.success("No non-finite gradient in the picked runs (grad/finite and the grad norm are finite "
                    "at every logged step).", icon=":material/check:")
     else:
@@ -58,7 +65,6 @@ def render() -> None:
         st.subheader("Non-finite values per metric")
         other.insert(0, "run", other.pop("run_id").map(sel.labels))
         st.dataframe(other.astype({"steps": str}), hide_index=True, key="nan.metrics")
-    no_grad = [r for r in ids if h.get(r, keys.GRAD_NORM) is None and h.get(r, keys.GRAD_FINITE) is None]
     if no_grad:
         st.caption("No gradient metric (grad/norm, grad/finite or an alias) in: "
                    + ", ".join(escape_md(sel.labels[r]) for r in no_grad))

@@ -233,3 +233,14 @@ def test_report_downloads_are_built_on_request(dash_store, monkeypatch):
     assert not at.exception and not at.error
     labels = sorted(b.proto.label for b in at.get("download_button"))
     assert labels == ["Download HTML report", "Download Markdown summary"]
+
+
+def test_nan_events_page_gives_no_all_clear_for_unchecked_gradients(store_uri, monkeypatch):
+    # the reference's gradients are finite; the candidate's collector found none (grad/found = 0)
+    write_run(store_uri, experiment="zero", name="ref", tags={keys.TAG_GROUP: "z", keys.TAG_ROLE: "reference"},
+              steps=[(s, {keys.RATIO_MEAN: 1.0, keys.GRAD_NORM: 1.0, keys.GRAD_FINITE: 1.0}) for s in range(20)])
+    write_run(store_uri, experiment="zero", name="zero3", tags={keys.TAG_GROUP: "z", keys.TAG_ROLE: "candidate"},
+              steps=[(s, {keys.RATIO_MEAN: 1.0, keys.GRAD_FOUND: 0.0}) for s in range(20)])
+    at = app(store_uri, monkeypatch, "nan-events")
+    assert not at.success  # no green "No non-finite gradient in the picked runs"
+    assert any("not checked" in unescape_md(w.value) and "zero3" in unescape_md(w.value) for w in at.warning)
