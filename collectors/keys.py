@@ -28,6 +28,15 @@ REWARD_STD = "reward/std"
 MISMATCH_LOGPROB_MEAN = "mismatch/logprob_abs_diff_mean"
 MISMATCH_LOGPROB_MAX = "mismatch/logprob_abs_diff_max"
 MISMATCH_PROB_MAX = "mismatch/prob_abs_diff_max"
+# The step's worst token (largest |lp_trainer - lp_engine|): where to look, not curves to chart, so not in
+# CANONICAL_METRICS. sample/position/token_id are -1 when the step had no valid token (token_id also
+# when the trainer passed no token ids).
+WORST_SAMPLE = "mismatch/worst/sample"
+WORST_POSITION = "mismatch/worst/position"
+WORST_TOKEN_ID = "mismatch/worst/token_id"
+WORST_LP_TRAINER = "mismatch/worst/lp_trainer"
+WORST_LP_ENGINE = "mismatch/worst/lp_engine"
+WORST_TOKEN_KEYS: tuple[str, ...] = (WORST_SAMPLE, WORST_POSITION, WORST_TOKEN_ID, WORST_LP_TRAINER, WORST_LP_ENGINE)
 
 # --- gradients -----------------------------------------------------------------------------------
 GRAD_NORM = "grad/norm"

@@ -168,7 +168,7 @@ def entropy_from_logits(logits: Tensor, mask: Tensor | None = None) -> Tensor:
     Logits of `-inf` (masked vocabulary) contribute 0; positions that are all `-inf` must be masked.
     """
     if logits.dim() < 1:
-        raise ValueError(f"logits must be [..., V]; got a 0-d tensor")
+        raise ValueError("logits must be [..., V]; got a 0-d tensor")
     # softmax then entr(p) = -p ln p (0 at p = 0): two passes over [B, T, V] instead of five.
     h = torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
     if mask is None:
@@ -215,6 +215,63 @@ def logprob_mismatch(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None 
 
 
 @torch.no_grad()
+def token_mult_prob_error(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None = None) -> Tensor:
+    """NeMo-RL's `token_mult_prob_error`: masked mean of `exp(|lp_trainer - lp_engine|)` (1.0 at parity)."""
+    m = _valid(mask, lp_trainer)
+    zero = torch.zeros((), dtype=torch.float32, device=lp_trainer.device)
+    d = torch.where(m, lp_trainer.float() - lp_engine.float(), zero).abs()
+    return 1.0 + masked_mean(d.exp() - 1.0, m)
+
+
+class WorstTokens(NamedTuple):
+    """The `k` valid tokens with the largest `|lp_trainer - lp_engine|`, largest first, each `[k]`.
+
+    `sample`/`position`: row and completion position (-1 where fewer than `k` tokens are valid; the
+    values are then 0);
+    `token_id`: the sampled token (-1 without `token_ids`); `abs_diff` NaN/inf sort first (a NaN is worst).
+    """
+
+    sample: Tensor
+    position: Tensor
+    token_id: Tensor
+    lp_trainer: Tensor
+    lp_engine: Tensor
+    abs_diff: Tensor
+
+
+@torch.no_grad()
+def worst_tokens(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None = None, *,
+                 token_ids: Tensor | None = None, k: int = 1) -> WorstTokens:
+    """Where the trainer and the engine disagree most, found on the device (no host synchronisation)."""
+    if lp_trainer.dim() not in (1, 2):
+        raise ValueError(f"worst_tokens needs [B, T] (or [T]) logprobs; got shape {tuple(lp_trainer.shape)}")
+    m = _valid(mask, lp_trainer)
+    if lp_trainer.dim() == 1:  # one sample
+        lp_trainer, lp_engine, m = lp_trainer[None], lp_engine[None], m[None]
+        token_ids = None if token_ids is None else token_ids[None]
+    t = lp_trainer.shape[-1]
+    d = (lp_trainer.float() - lp_engine.float()).abs()
+    # NaN first (it is the worst disagreement), masked positions last: rank key +inf / -1 there
+    key = torch.where(torch.isnan(d), torch.full_like(d, float("inf")), d)
+    key = torch.where(m, key, torch.full_like(d, -1.0)).reshape(-1)
+    k_eff = min(k, key.numel())
+    top = key.topk(k_eff).indices if k_eff else torch.zeros(0, dtype=torch.int64, device=d.device)
+    if k_eff < k:
+        top = torch.cat([top, torch.zeros(k - k_eff, dtype=torch.int64, device=d.device)])
+    valid = m.reshape(-1)[top] & (torch.arange(k, device=d.device) < k_eff)
+    none = torch.full((k,), -1, dtype=torch.int64, device=d.device)
+    zero = torch.zeros((k,), device=d.device)  # 0, not NaN: an empty step must not look non-finite
+    ids = token_ids.reshape(-1)[top].long() if token_ids is not None else none
+    return WorstTokens(
+        sample=torch.where(valid, top // max(t, 1), none), position=torch.where(valid, top % max(t, 1), none),
+        token_id=torch.where(valid, ids, none),
+        lp_trainer=torch.where(valid, lp_trainer.float().reshape(-1)[top], zero),
+        lp_engine=torch.where(valid, lp_engine.float().reshape(-1)[top], zero),
+        abs_diff=torch.where(valid, d.reshape(-1)[top], zero),
+    )
+
+
+@torch.no_grad()
 def policy_metrics(
     lp_new: Tensor,
     lp_old: Tensor,
@@ -226,6 +283,7 @@ def policy_metrics(
     rewards: Tensor | None = None,
     lp_trainer_at_rollout: Tensor | None = None,
     advantages: Tensor | None = None,
+    token_ids: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Every canonical policy metric that the given tensors allow, as `{key: 0-d tensor}`, with the
     batch sizes behind them (`batch/valid_tokens`, `batch/sequences`, `batch/rewards`: the weights
@@ -234,7 +292,8 @@ def policy_metrics(
     `advantages` (`[B]` or `[B, T]`) add `policy/clip_active_rate` beside `policy/clip_rate`.
     `lp_trainer_at_rollout`: the trainer's logprobs at the rollout weights (before any update) for the
     mismatch metrics against `lp_old` (the engine's). On the first minibatch of an on-policy step that
-    is `lp_new` itself.
+    is `lp_new` itself. With it, the step's worst token (`mismatch/worst/*`: sample, position, both
+    logprobs, and the token id when `token_ids` `[B, T]` are given) rides in the same transfer.
     """
     m, lr, r = _prepared(lp_new, lp_old, mask)  # once, for every ratio-based metric
     out: dict[str, Tensor] = {
@@ -260,6 +319,11 @@ def policy_metrics(
         out[keys.MISMATCH_LOGPROB_MEAN] = mm.logprob_abs_diff_mean
         out[keys.MISMATCH_LOGPROB_MAX] = mm.logprob_abs_diff_max
         out[keys.MISMATCH_PROB_MAX] = mm.prob_abs_diff_max
+    if lp_trainer_at_rollout is not None and lp_old.dim() <= 2:
+        w = worst_tokens(lp_trainer_at_rollout, lp_old, m, token_ids=token_ids, k=1)
+        out[keys.WORST_SAMPLE], out[keys.WORST_POSITION] = w.sample[0].float(), w.position[0].float()
+        out[keys.WORST_TOKEN_ID] = w.token_id[0].float()
+        out[keys.WORST_LP_TRAINER], out[keys.WORST_LP_ENGINE] = w.lp_trainer[0], w.lp_engine[0]
     return out
 
 

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from rldiag.collectors import Monitor, keys, policy_metrics
 from rldiag.collectors.integrations.vllm import process_logits, rollout_from_outputs
-from rldiag.experiments.parity_engine import Engine, EngineConfig, config_params
+from rldiag.experiments.parity_engine import Engine, EngineConfig, config_params, start_engine
 from rldiag.experiments.summary import RunSummary, format_summaries
 from rldiag.experiments.tiny_hf_model import VLLM_TINY_QWEN2, build_tiny_qwen2, save_tiny_qwen2
 
@@ -193,7 +193,8 @@ def run_one(engine: Engine, cfg: ParityConfig, name: str, seed: int, *, tracking
             outside = torch.isneginf(lp) & mask
             scored = mask & ~outside
             stats = policy_metrics(lp, lp_old, scored, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                   logits=processed.detach(), rewards=reward, lp_trainer_at_rollout=lp)
+                                   logits=processed.detach(), rewards=reward, lp_trainer_at_rollout=lp,
+                                   token_ids=tokens)
             stats[KEY_OUTSIDE_TOP_P] = outside.sum() / mask.sum().clamp(min=1)
             cached = batch.num_cached_tokens.clamp(min=0).sum() / batch.prompt_lengths.sum().clamp(min=1)
             stats[KEY_PREFIX_HIT] = cached.float()
@@ -251,7 +252,7 @@ def run_experiment(cfg: ParityConfig, *, tracking_uri: str | None = None, progre
         for ecfg, runs in runs_by_engine(cfg).items():
             t0 = time.monotonic()
             try:
-                engine = Engine(path, ecfg, max_model_len=cfg.prompt_len + cfg.completion_len)
+                engine = start_engine(path, ecfg, max_model_len=cfg.prompt_len + cfg.completion_len)
             except Exception as e:  # noqa: BLE001 - only the optional fp32-head engine may be refused
                 if not ecfg.lm_head_fp32:
                     raise

@@ -26,6 +26,8 @@ from rldiag.collectors.metrics import (
     sequence_clip_rate,
     sequence_ratio,
     to_host,
+    token_mult_prob_error,
+    worst_tokens,
 )
 
 INF = float("inf")
@@ -274,6 +276,55 @@ def test_logprob_mismatch_is_zero_for_identical_logprobs():
         assert_close(v, t(0.0))
 
 
+def test_token_mult_prob_error_is_the_mean_of_exp_abs_diff():
+    ln = math.log
+    lp_trainer = torch.tensor([[ln(0.5), ln(0.02), -INF]])
+    lp_engine = torch.tensor([[ln(0.4), ln(0.01), -INF]])
+    mask = torch.tensor([[True, True, False]])
+    # exp|d|: exp(ln 1.25) = 1.25, exp(ln 2) = 2 -> mean 1.625; the padded -inf pair is left out
+    assert_close(token_mult_prob_error(lp_trainer, lp_engine, mask), t(1.625))
+    assert_close(token_mult_prob_error(lp_trainer[:, :2], lp_trainer[:, :2].clone()), t(1.0))  # parity: 1
+
+
+# A hand-built batch of 3 completions whose worst token is sample 2, position 1, token id 17:
+# |d| = |-2.10 - -0.31| = 1.79, larger than every other valid |d| (0.1, 0.4, 0, 0.05); the masked
+# position (sample 0, position 2) has a larger |d| (9.0) and must be ignored.
+WORST_TRAINER = torch.tensor([[-1.0, -0.5, -9.5], [-0.3, -1.2, -3.0], [-0.7, -2.10, -0.2]])
+WORST_ENGINE = torch.tensor([[-1.1, -0.5, -0.5], [-0.7, -1.2, -3.05], [-0.7, -0.31, -0.2]])
+WORST_MASK = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+WORST_IDS = torch.tensor([[5, 6, 0], [7, 8, 9], [10, 17, 11]])
+
+
+def test_worst_tokens_finds_the_known_worst_token_and_ranks_the_next():
+    w = worst_tokens(WORST_TRAINER, WORST_ENGINE, WORST_MASK, token_ids=WORST_IDS, k=2)
+    assert w.sample.tolist() == [2, 1] and w.position.tolist() == [1, 0]  # 1.79, then 0.4 (sample 1, pos 0)
+    assert w.token_id.tolist() == [17, 7]
+    assert_close(w.lp_trainer, torch.tensor([-2.10, -0.3]))
+    assert_close(w.lp_engine, torch.tensor([-0.31, -0.7]))
+    assert_close(w.abs_diff, torch.tensor([1.79, 0.4]))
+
+
+def test_worst_tokens_puts_nan_first_and_says_when_nothing_is_valid():
+    nan_trainer = WORST_TRAINER.clone()
+    nan_trainer[1, 2] = float("nan")  # a NaN logprob is a worse disagreement than any number
+    w = worst_tokens(nan_trainer, WORST_ENGINE, WORST_MASK, token_ids=WORST_IDS)
+    assert (w.sample.item(), w.position.item(), w.token_id.item()) == (1, 2, 9)
+    empty = worst_tokens(WORST_TRAINER, WORST_ENGINE, torch.zeros_like(WORST_MASK), k=4)  # 4 > 0 valid
+    assert empty.sample.tolist() == [-1] * 4 and empty.token_id.tolist() == [-1] * 4
+    assert empty.lp_trainer.tolist() == [0.0] * 4  # 0, never NaN: an empty step is not a non-finite one
+
+
+def test_policy_metrics_carries_the_worst_token_in_the_one_transfer():
+    out = policy_metrics(WORST_TRAINER, WORST_ENGINE, WORST_MASK, lp_trainer_at_rollout=WORST_TRAINER,
+                         token_ids=WORST_IDS)
+    host = to_host(out)  # the one host transfer a step makes: the worst token rides in it
+    assert [host[k] for k in keys.WORST_TOKEN_KEYS[:3]] == [2.0, 1.0, 17.0]
+    assert host[keys.WORST_LP_TRAINER] == pytest.approx(-2.10) and host[keys.WORST_LP_ENGINE] == pytest.approx(-0.31)
+    assert host[keys.MISMATCH_LOGPROB_MAX] == pytest.approx(1.79)  # the same token as the max
+    no_ids = to_host(policy_metrics(WORST_TRAINER, WORST_ENGINE, WORST_MASK, lp_trainer_at_rollout=WORST_TRAINER))
+    assert no_ids[keys.WORST_TOKEN_ID] == -1.0 and no_ids[keys.WORST_SAMPLE] == 2.0
+
+
 # --- masked_mean / masked_max -----------------------------------------------------------------------
 
 
@@ -306,7 +357,7 @@ BASE_KEYS = BATCH_KEYS | {
 }
 ENTROPY_KEYS = {keys.ENTROPY}
 REWARD_KEYS = {keys.REWARD_MEAN, keys.REWARD_STD, keys.BATCH_REWARDS}
-MISMATCH_KEYS = {keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX}
+MISMATCH_KEYS = {keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX, *keys.WORST_TOKEN_KEYS}
 
 
 @pytest.mark.parametrize(
@@ -332,7 +383,7 @@ def test_policy_metrics_returns_exactly_the_keys_its_inputs_allow(with_logits, w
     if with_mismatch:
         expected |= MISMATCH_KEYS
     assert set(out) == expected
-    assert set(out) <= set(keys.CANONICAL_METRICS)
+    assert set(out) <= set(keys.CANONICAL_METRICS) | set(keys.WORST_TOKEN_KEYS)
     for key, value in out.items():
         assert value.dim() == 0, key
         assert not value.requires_grad, key
@@ -447,6 +498,9 @@ def test_all_masked_batch_gives_zero_or_one_never_nan():
         keys.MISMATCH_LOGPROB_MEAN: 0.0,
         keys.MISMATCH_LOGPROB_MAX: 0.0,
         keys.MISMATCH_PROB_MAX: 0.0,
+        # no worst token: -1 for where, 0 (not NaN) for the values
+        keys.WORST_SAMPLE: -1.0, keys.WORST_POSITION: -1.0, keys.WORST_TOKEN_ID: -1.0,
+        keys.WORST_LP_TRAINER: 0.0, keys.WORST_LP_ENGINE: 0.0,
     }
     assert to_host(out) == expected
 
