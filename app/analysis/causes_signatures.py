@@ -1,0 +1,184 @@
+"""The metric signatures that likely causes are matched on, read from full histories.
+
+Each signature has a physical threshold, not one fitted to an experiment:
+- parity: at equal weights a float32 recompute matches the engine to ~1e-6 nats (FACTS-vllm-cpu.md);
+  a mean |delta logprob| above `PARITY_TOL` (1e-4, far above float32 rounding, below bfloat16's ~1e-3)
+  and an order of magnitude above the references' own mismatch at that step is no longer parity;
+- one-signed: the signed mean of (engine - trainer) logprobs (`policy/kl_new_old_k1` where the trainer
+  is at the rollout weights) against the mean absolute difference: rounding noise is symmetric (ratio
+  near 0), a different distribution on one side (raw vs processed, temperature on one side only)
+  shifts every sampled token the same way (ratio near 1); `ONE_SIGNED` = 0.5 splits the two;
+- departure after updates: a candidate value farther from the reference seeds than their own range
+  plus their step-to-step wiggle, on `PERSIST_AFTER` consecutive steps after the first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rldiag.app.data.histories import Histories
+from rldiag.collectors import keys as K
+
+PARITY_TOL = 1e-4  # nats: mean |delta logprob| beyond float32 rounding at equal weights
+REF_FACTOR = 10.0  # ... and this many times the references' own mismatch at the step
+ONE_SIGNED = 0.5  # |signed mean| / mean |delta| above this: the shift goes one way
+PERSIST_AFTER = 3  # consecutive steps outside the seeds' range that make a departure after updates
+# Metrics the optimizer's own departure shows on (the engine-side ones speak for the engine causes).
+POLICY_KEYS = (K.ENTROPY, K.REWARD_MEAN, K.GRAD_NORM, K.KL_REF, K.LOSS, K.CLIP_RATE, K.CLIP_ACTIVE_RATE,
+               K.KL_NEW_OLD)
+# What the signatures read: loaders add these to what they chart.
+SIGNATURE_KEYS = (K.MISMATCH_LOGPROB_MEAN, K.MISMATCH_LOGPROB_MAX, K.RATIO_MEAN, K.KL_NEW_OLD_K1, K.GRAD_FINITE,
+                  K.GRAD_NORM, K.LOSS, *POLICY_KEYS)
+
+
+def _value(h: Histories, run: str, key: str, step: int) -> float | None:
+    t = h.get(run, key)
+    if t is None:
+        return None
+    i = int(np.searchsorted(t.steps, step))
+    return float(t.values[i]) if i < len(t.steps) and t.steps[i] == step else None
+
+
+def first_step(h: Histories, run: str) -> int | None:
+    """The run's first logged step over every loaded metric (the step before any update)."""
+    firsts = [int(t.steps[0]) for (r, _), t in h.traces.items() if r == run and len(t)]
+    return min(firsts) if firsts else None
+
+
+@dataclass(frozen=True)
+class Parity:
+    """Engine-vs-trainer logprob mismatch of a candidate at its first step and after it."""
+
+    step: int  # the first step with a mismatch value
+    before_update: bool  # that step is the run's first step (same weights on both sides)
+    mean: float  # mean |delta logprob| there (nats)
+    tol: float  # the parity tolerance there (PARITY_TOL or REF_FACTOR x the references')
+    signed: float | None  # signed mean (engine - trainer) there, from policy/kl_new_old_k1
+    ratio: float | None  # policy/ratio_mean there
+    later_steps: int  # steps after the first with a mismatch value
+    later_over: int  # of those, above their tolerance
+    later_first_over: int | None  # the first of them above it
+    later_median: float  # median mismatch over the later steps (NaN if none)
+
+    @property
+    def holds(self) -> bool:
+        return math.isfinite(self.mean) and self.mean <= self.tol
+
+    @property
+    def one_signed(self) -> bool | None:
+        """The step-0 mismatch shifts sampled tokens one way (None: no signed value logged)."""
+        if self.signed is not None and math.isfinite(self.signed) and self.mean > 0:
+            return abs(self.signed) >= ONE_SIGNED * self.mean
+        if self.ratio is not None and math.isfinite(self.ratio) and self.mean > 0:
+            # ratio mean = mean exp(d): |log ratio| ~ |shift| for a shift, ~ var/2 (<< mean |d|) for noise
+            return abs(math.log(max(self.ratio, 1e-300))) >= ONE_SIGNED * self.mean
+        return None
+
+    @property
+    def breaks_after_updates(self) -> bool:
+        """Parity at the first step, lost from the first updates on (most later steps above tolerance)."""
+        return self.holds and self.later_steps > 0 and 2 * self.later_over > self.later_steps
+
+
+def _tol(h: Histories, refs: Sequence[str], step: int) -> float:
+    vals = [v for r in refs if (v := _value(h, r, K.MISMATCH_LOGPROB_MEAN, step)) is not None and math.isfinite(v)]
+    return max(PARITY_TOL, REF_FACTOR * max(vals)) if vals else PARITY_TOL
+
+
+def parity(h: Histories, run: str, refs: Sequence[str]) -> Parity | None:
+    """The candidate's `Parity`, or None when it logged no mismatch metric."""
+    t = h.get(run, K.MISMATCH_LOGPROB_MEAN)
+    if t is None or not len(t):
+        return None
+    s0 = int(t.steps[0])
+    later = [(int(s), float(v)) for s, v in zip(t.steps[1:], t.values[1:])]
+    over = [s for s, v in later if not (math.isfinite(v) and v <= _tol(h, refs, s))]
+    vals = [v for _, v in later if math.isfinite(v)]
+    return Parity(s0, s0 == first_step(h, run), float(t.values[0]), _tol(h, refs, s0),
+                  _value(h, run, K.KL_NEW_OLD_K1, s0), _value(h, run, K.RATIO_MEAN, s0), len(later), len(over),
+                  over[0] if over else None, float(np.median(vals)) if vals else math.nan)
+
+
+@dataclass(frozen=True)
+class Departure:
+    """A candidate metric outside the reference seeds' range after the first step."""
+
+    key: str
+    step: int  # first step of the run of PERSIST_AFTER outside steps
+    value: float  # the candidate's value there
+    low: float  # the references' range there, widened by their wiggle
+    high: float
+
+
+def departures_after_updates(h: Histories, run: str, refs: Sequence[str],
+                             keys: Sequence[str] = POLICY_KEYS) -> list[Departure]:
+    """Metrics on which the candidate leaves the references' range (plus their step-to-step wiggle) on
+    PERSIST_AFTER consecutive steps after its first step; earliest first."""
+    out = []
+    start = first_step(h, run)
+    for key in keys:
+        c = h.get(run, key)
+        rs = [t for t in h.for_key(key, refs).values() if len(t) > 1]
+        if c is None or len(c) < PERSIST_AFTER + 1 or not rs:
+            continue
+        wiggle = float(np.nanmedian(np.concatenate([np.abs(np.diff(t.values)) for t in rs])))
+        streak: list[tuple[int, float, float, float]] = []
+        for s, v in zip(c.steps.tolist(), c.values.tolist()):
+            if s == start:
+                continue
+            at = [x for t in rs if (x := _at(t, s)) is not None and math.isfinite(x)]
+            if not at or not math.isfinite(v):
+                streak = []
+                continue
+            lo, hi = min(at), max(at)
+            width = max(hi - lo, wiggle, 1e-12 * max(1.0, abs(hi)))
+            if v < lo - width or v > hi + width:
+                streak.append((s, v, lo - width, hi + width))
+                if len(streak) == PERSIST_AFTER:
+                    out.append(Departure(key, *streak[0]))
+                    break
+            else:
+                streak = []
+    return sorted(out, key=lambda d: d.step)
+
+
+def _at(t, step: int) -> float | None:
+    i = int(np.searchsorted(t.steps, step))
+    return float(t.values[i]) if i < len(t.steps) and t.steps[i] == step else None
+
+
+@dataclass(frozen=True)
+class NonFiniteSignature:
+    """How a candidate's non-finite gradients look: from which step, how often, with which loss."""
+
+    steps: tuple[int, ...]  # steps with non-finite gradients
+    run_steps: int  # steps with a gradient check from the first bad one on
+    from_first_step: bool  # the first bad step is the run's first step
+    loss_finite: tuple[int, ...]  # bad steps at which the logged loss is finite
+    loss_zero: tuple[int, ...]  # ... exactly 0.0
+    real_loss: bool  # the loss was logged by rldiag's collectors (the real one, not a trainer's filtered one)
+
+    @property
+    def recurring(self) -> bool:
+        """Non-finite on at least half the steps from the first bad one on (the bug repeats each batch)."""
+        return 2 * len(self.steps) >= self.run_steps
+
+
+def nonfinite_signature(h: Histories, run: str) -> NonFiniteSignature | None:
+    """The candidate's `NonFiniteSignature`, or None for finite gradients."""
+    from rldiag.app.analysis.nan_events import bad_steps
+
+    bad = [b.step for b in bad_steps(h, run)]
+    if not bad:
+        return None
+    grads = [t for k in (K.GRAD_FINITE, K.GRAD_NORM) if (t := h.get(run, k)) is not None]
+    steps = sorted({int(s) for t in grads for s in t.steps.tolist()})
+    since = sum(1 for s in steps if s >= bad[0])
+    loss = {s: _value(h, run, K.LOSS, s) for s in bad}
+    finite = tuple(s for s, v in loss.items() if v is not None and math.isfinite(v))
+    return NonFiniteSignature(tuple(bad), since, bad[0] == first_step(h, run), finite,
+                              tuple(s for s in finite if loss[s] == 0.0), h.get(run, K.GRAD_FINITE) is not None)
