@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rldiag.collectors import keys
+from rldiag.collectors.nan_origin import format_positions
 
 log = logging.getLogger("rldiag.alerts")
 
@@ -43,6 +44,9 @@ class NonFiniteGradAlert:
     run_name: str | None = None
     time: float = field(default_factory=time.time)
     kind: str = "nonfinite_grad"
+    # where the NaN entered (collectors/nan_origin.py): {"where", "param", "order", "text"}; params are then
+    # in backward order, the entry point first
+    origin: dict | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -53,16 +57,17 @@ class NonFiniteGradAlert:
     def text(self) -> str:
         shown = ", ".join(self.params[:5]) + (f" and {len(self.params) - 5} more" if len(self.params) > 5 else "")
         where = ""
-        if self.positions:
-            pos = ", ".join(
-                f"sample {p['sample']}" + (f" token {p['position']}" if p.get("position") is not None else "")
-                for p in self.positions[:5]
-            )
-            where = f"; non-finite at {pos}" + (f" ({self.nonfinite_positions} positions)" if self.nonfinite_positions > 5 else "")
+        origin = self.origin or {}
+        if self.positions and origin.get("where") != "loss_backward":  # (that origin text holds them)
+            where = f"; non-finite at {format_positions(self.positions)}"
+        if self.positions and self.nonfinite_positions > len(self.positions):
+            where += f" ({self.nonfinite_positions} positions)"
         name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
+        entered = f"{origin['text']}; " if origin.get("text") else ""
+        order = " (in backward order)" if origin.get("order") in ("autograd", "hooks") else ""
         return (
             f"rldiag: non-finite gradients in run {name} at step {self.step}: grad_norm={self.grad_norm}; "
-            f"{len(self.params)} parameter tensor(s): {shown}{where}"
+            f"{entered}{len(self.params)} parameter tensor(s){order}: {shown}{where}"
         )
 
 
@@ -182,14 +187,19 @@ class MlflowTagSink:
         if event.get("kind") != "nonfinite_grad":
             return
         self.count += 1
+        tags = {}
         if self.first_step is None:
             self.first_step = event["step"]
-        last = json.dumps({k: event[k] for k in ("step", "grad_norm", "params", "positions") if k in event}, default=str)
-        self._set_tags({
+            if (event.get("origin") or {}).get("text"):  # where the first NaN entered: what to fix
+                tags[keys.TAG_ALERT_ORIGIN] = event["origin"]["text"][:5000]
+        last = json.dumps({k: event[k] for k in ("step", "grad_norm", "params", "positions", "origin") if k in event},
+                          default=str)
+        tags.update({
             keys.TAG_ALERT_COUNT: str(self.count),
             keys.TAG_ALERT_FIRST_STEP: str(self.first_step),
             keys.TAG_ALERT_LAST: last[:5000],
         })
+        self._set_tags(tags)
 
     def close(self) -> None:
         pass
@@ -205,9 +215,27 @@ class AlertDispatcher:
         self._sent_in_window = 0
         self._held: list[int] = []  # steps held back from rate-limited sinks
         self.total = 0
+        self._annotations: dict[int, dict] = {}
+
+    def annotate(self, step: int, **fields) -> None:
+        """Fields (of `NonFiniteGradAlert`, e.g. `origin`) to set on the alert of `step` when it is emitted:
+        what the check knows beyond the `GradReport` the session builds the alert from."""
+        self._annotations[step] = fields
+
+    def note(self, event) -> None:
+        """An event that is no alert (a loss-scaler overflow): logged at INFO and written to the sinks that
+        record every event (the JSONL file); it takes no share of the alerts' rate limit and sets no tag."""
+        d = event.as_dict()
+        log.info("%s", d["text"])
+        for sink in self.sinks:
+            if not sink.rate_limited:
+                self._send(sink, d)
 
     def emit(self, alert: NonFiniteGradAlert) -> None:
         self.total += 1
+        for k, v in self._annotations.pop(alert.step, {}).items():
+            setattr(alert, k, v)
+        self._annotations.clear()  # never carried to a later step's alert
         event = alert.as_dict()
         now = self._clock()
         if self._window_start is None or now - self._window_start >= self.interval_s:

@@ -266,6 +266,10 @@ class LogitsProbe:
                     return out
         return out
 
+    def watched(self) -> bool:
+        """Whether a watched tensor received its gradient since the last reset (the probe can tell)."""
+        return any(f.numel() for f in self._flags)
+
     def count(self) -> int:
         return sum(int(f.sum()) for f in self._flags if f.numel())
 
@@ -283,6 +287,9 @@ class GradReport:
     nonfinite_params: list[str] = field(default_factory=list)
     positions: list[NonFinitePosition] = field(default_factory=list)
     nonfinite_positions: int = 0  # total count; `positions` holds at most the probe's max_positions
+    scale: float | None = None  # the fp16 loss scale in play (collectors/amp.py); `norm` is unscaled
+    overflow: bool = False  # non-finite from loss scaling: the scaler skips the step itself
+    origin: dict | None = None  # where the NaN entered (collectors/nan_origin.py), on a non-finite step
 
     @classmethod
     def unknown(cls) -> GradReport:
@@ -295,16 +302,22 @@ class GradReport:
 
     def metrics(self) -> dict[str, float]:
         """The values logged for the step: `grad/norm`, `grad/finite`, `grad/nonfinite_params`; only
-        `grad/found` = 0 when no gradient was found (no norm or flag is made up)."""
+        `grad/found` = 0 when no gradient was found (no norm or flag is made up); under a loss scaler also
+        `grad/loss_scale` and `grad/scaler_overflow`, and on an overflow step only these two."""
         from rldiag.collectors import keys
 
         if not self.found:
             return {keys.GRAD_FOUND: 0.0}
-        return {
-            keys.GRAD_NORM: self.norm,
-            keys.GRAD_FINITE: 1.0 if self.finite else 0.0,
-            keys.GRAD_NONFINITE_PARAMS: float(len(self.nonfinite_params)),
-        }
+        out: dict[str, float] = {}
+        if self.scale is not None:  # under a loss scaler; an overflow step is neither finite nor a NaN alert
+            out[keys.GRAD_LOSS_SCALE] = self.scale
+            out[keys.GRAD_SCALER_OVERFLOW] = 1.0 if self.overflow else 0.0
+            if self.overflow:
+                return out
+        out[keys.GRAD_NORM] = self.norm
+        out[keys.GRAD_FINITE] = 1.0 if self.finite else 0.0
+        out[keys.GRAD_NONFINITE_PARAMS] = float(len(self.nonfinite_params))
+        return out
 
 
 def check_gradients(params, probe: LogitsProbe | None = None) -> GradReport:

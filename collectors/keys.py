@@ -47,6 +47,11 @@ GRAD_NONFINITE_PARAMS = "grad/nonfinite_params"
 # not logged at that step (unknown is neither finite nor NaN). Never logged at a checked step. Not canonical:
 # nothing to chart.
 GRAD_FOUND = "grad/found"
+# fp16 loss scaling (torch.amp.GradScaler): the scale of the step's gradients (GRAD_NORM is logged unscaled),
+# and 1.0 at a step whose scaled gradients overflowed: the scaler skips it and halves its scale, so that step
+# logs no GRAD_FINITE and raises no NaN alert (collectors/amp.py says when it is a real NaN). Not canonical.
+GRAD_LOSS_SCALE = "grad/loss_scale"
+GRAD_SCALER_OVERFLOW = "grad/scaler_overflow"
 
 LOSS = "loss"
 
@@ -143,4 +148,6 @@ ROLES = ("reference", "candidate")
 TAG_ALERT_COUNT = "rldiag.alert.count"
 TAG_ALERT_FIRST_STEP = "rldiag.alert.first_step"
 TAG_ALERT_LAST = "rldiag.alert.last"
+# Where the NaN of the first alert entered: "from the loss ..." or "at <parameter> ..." (collectors/nan_origin.py).
+TAG_ALERT_ORIGIN = "rldiag.alert.origin"
 ALERTS_ARTIFACT = "rldiag/alerts.jsonl"

@@ -24,7 +24,8 @@ from torch import nn
 
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
-from rldiag.collectors.compat.torch import host_dtype
+from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_report
+from rldiag.collectors.compat.torch import grads_unscaled, host_dtype, loss_scale_tensor
 from rldiag.collectors.gradcheck import (
     GradEntry,
     GradReport,
@@ -35,6 +36,7 @@ from rldiag.collectors.gradcheck import (
     shard_split,
 )
 from rldiag.collectors.metrics import pack, to_host
+from rldiag.collectors.nan_origin import autograd_order, in_order, nan_origin
 from rldiag.collectors.session import NonFiniteGradientError, RunSession
 from rldiag.collectors.writer import WriterStats
 
@@ -83,6 +85,7 @@ class Monitor:
         self.per_rank, self.grads_sharded = per_rank, grads_sharded
         self.probe = LogitsProbe()
         self.last_report: GradReport | None = None
+        self._overflows = OverflowCounter()
         self._warned_no_grads = False
 
     @property
@@ -102,16 +105,27 @@ class Monitor:
         *,
         loss: torch.Tensor | float | None = None,
         metrics: Mapping[str, torch.Tensor | float] | None = None,
+        scaler: Any = None,
+        optimizer: Any = None,
     ) -> bool:
         """Check `model`'s gradients and log this step's values; True when the optimizer should step.
 
         Call after `backward()` and before clipping. On a finite step this costs one host transfer
         for everything (gradient norms, `loss`, `metrics`); logging never waits on the store.
+
+        fp16 with a `torch.amp.GradScaler`: pass it as `scaler` (and `optimizer` when there are several);
+        `grad/norm` is then the unscaled norm whether or not `scaler.unscale_` ran first, a scaler overflow
+        is logged as `grad/scaler_overflow` (no NaN alert), and step returns True on every non-finite step,
+        since `scaler.step` skips those itself (see collectors/amp.py). Pass `loss` as the tensor: on a
+        non-finite step its autograd graph gives the backward order that names where the NaN entered.
         """
         entries = collect_grads(model)
         values: dict[str, torch.Tensor | float] = dict(metrics or {})
         if loss is not None:
             values[keys.LOSS] = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        scale_t = loss_scale_tensor(scaler)
+        if scale_t is not None:  # read in the same host transfer
+            values[keys.GRAD_LOSS_SCALE] = scale_t
         norms = grad_norm_stats([e.local for e in entries], device=None if entries else _device_of(model, values))
         vec = torch.cat([norms.to(host_dtype(norms.device)), pack(values, device=norms.device)])
         n = norms.numel()
@@ -120,15 +134,26 @@ class Monitor:
             report = build_report(entries, host[:n], self.probe)
         else:
             report, host = self._reduce(vec, n, list(values), entries)
+        got = dict(zip(values.keys(), host[n : n + len(values)]))
+        if scale_t is not None:
+            report = unscale_report(report, got[keys.GRAD_LOSS_SCALE], scaled=not grads_unscaled(scaler, optimizer),
+                                    loss=got.get(keys.LOSS))
+        if report.found and report.finite is False and not report.overflow and self.rank == 0:
+            order, how = autograd_order(loss, model if isinstance(model, nn.Module) else None)
+            report.nonfinite_params = in_order(report.nonfinite_params, order)
+            report.origin = nan_origin(report.nonfinite_params, loss_value=got.get(keys.LOSS), how=how,
+                                       positions=[p.as_dict() for p in report.positions],
+                                       watched=self.probe.watched())
         self.probe.reset()
         self.last_report = report
+        in_a_row = self._overflows.update(report)
         if not report.found and not self._warned_no_grads and self.rank == 0:
             self._warned_no_grads = True
             log.warning("rldiag: step %d: no parameter has a gradient, nothing was checked: logging %s = 0 and no "
                         "%s or %s (call Monitor.step after backward() and before zero_grad(); DeepSpeed ZeRO keeps "
                         "gradients out of .grad)", step, keys.GRAD_FOUND, keys.GRAD_NORM, keys.GRAD_FINITE)
         if self.session is not None:
-            logged = dict(zip(values.keys(), host[n : n + len(values)]))
+            logged = dict(got)
             logged.update(report.metrics())
             if self.per_rank and len(host) > n + len(values):
                 per = host[n + len(values):]
@@ -138,13 +163,20 @@ class Monitor:
             self.writer.log_metrics(logged, step)
         if report.finite or not report.found:  # unknown: nothing to alert on or to skip
             return True
+        if report.overflow:  # the scaler skips this step and lowers its scale: its own event, no alert
+            if self.session is not None:
+                self.session.alerts.note(ScalerOverflowEvent(self.run_id, step, report.scale, in_a_row,
+                                                             run_name=self.session.run_name))
+            return True
         if self.session is not None:
+            if report.origin is not None:
+                self.session.alerts.annotate(step, origin=report.origin)
             go_on = self.session.on_nonfinite(step, report)
         elif self.policy == "raise":
             raise NonFiniteGradientError(NonFiniteGradAlert("", step, report.norm, report.nonfinite_params))
         else:
             go_on = self.policy == "warn"
-        if go_on:
+        if go_on or report.scale is not None:  # under a scaler, scaler.step skips it (zeroing would not)
             return True
         for e in entries:  # policy "skip", on every rank
             e.grad.zero_()

@@ -119,3 +119,29 @@ def fsdp1_replicas(module: nn.Module) -> dict[int, int]:
         for p in (getattr(flat, "_params", None) or ()):
             out[id(p)] = replicas
     return out
+
+
+# --- fp16 loss scaling: torch.amp.GradScaler (FSDP1's ShardedGradScaler is a subclass) ----------------
+
+
+def loss_scale_tensor(scaler) -> Tensor | None:
+    """The scale `scaler` multiplies the loss by, as its own one-element tensor on the device (`_scale`:
+    read with the step's other values, no host sync of its own), or None when the scaler is disabled or
+    has scaled nothing yet."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return getattr(scaler, "_scale", None)
+
+
+def grads_unscaled(scaler, optimizer=None) -> bool:
+    """Whether this step's gradients were unscaled already (`scaler.unscale_` called since the last
+    `update()`): `optimizer`'s stage in the scaler is past READY; with no optimizer given, any
+    optimizer's (the usual single optimizer)."""
+    from torch.amp.grad_scaler import OptState
+
+    states = scaler._per_optimizer_states
+    if optimizer is not None:
+        inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer wraps the real one
+        state = states.get(id(optimizer)) or (states.get(id(inner)) if inner is not None else None)
+        return state is not None and state["stage"] is not OptState.READY
+    return any(s["stage"] is not OptState.READY for s in states.values())

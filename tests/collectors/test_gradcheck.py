@@ -383,7 +383,10 @@ def test_monitor_raise_keeps_the_failing_steps_metrics_and_alert(sqlite_uri, tmp
     assert len(results) == 2  # steps 0 and 1 stepped; step 2 raised
     alert = err.value.alert
     assert alert.step == 2 and alert.run_id == mon.run_id
-    assert alert.params == ["embed.weight", "head.weight", "head.bias"]
+    # in backward order, from the loss's autograd graph: the head first (its bias feeds the addmm node, its
+    # weight through the transpose node made before it), the embedding last
+    assert alert.params == ["head.bias", "head.weight", "embed.weight"]
+    assert alert.origin["where"] == "loss_backward" and "sample 2 token 1" in alert.origin["text"]
     assert alert.positions == [{"micro_batch": 0, "sample": 2, "position": 1}]
     assert "step 2" in str(err.value)
 
@@ -402,7 +405,7 @@ def test_monitor_raise_keeps_the_failing_steps_metrics_and_alert(sqlite_uri, tmp
     assert json.loads(run.data.tags[keys.TAG_ALERT_LAST])["step"] == 2
     artifact = client.download_artifacts(mon.run_id, keys.ALERTS_ARTIFACT, str(tmp_path / "dl"))
     events = [json.loads(line) for line in open(artifact, encoding="utf-8")]
-    assert [(e["step"], e["params"]) for e in events] == [(2, ["embed.weight", "head.weight", "head.bias"])]
+    assert [(e["step"], e["params"]) for e in events] == [(2, ["head.bias", "head.weight", "embed.weight"])]
     assert [json.loads(line)["step"] for line in open(tmp_path / "alerts.jsonl", encoding="utf-8")] == [2]
 
 
