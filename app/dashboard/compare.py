@@ -21,7 +21,7 @@ from rldiag.app.dashboard.selection import (
 )
 from rldiag.app.data.runs import runs_with_metrics
 from rldiag.app.plots.decimate import DEFAULT_POINTS
-from rldiag.app.plots.figures import ChartOptions, run_colors
+from rldiag.app.plots.figures import ChartOptions, run_colors, run_order
 from rldiag.app.report.content import evidence_parts, nonfinite_text
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
@@ -127,7 +127,7 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         else:
             _divergence_summary(table, summaries, sel.labels, band)
 
-    colors = run_colors(run_ids, refs)
+    colors = run_colors(run_ids, refs, order=run_order(sel.runs))  # from the run, not its place in the pick
     labels = tuple((r, sel.labels[r]) for r in run_ids)
     shown = [k for k in metric_keys if h.for_key(k, run_ids)]
     missing = [k for k in metric_keys if k not in shown]

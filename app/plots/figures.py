@@ -4,16 +4,21 @@
                         reference_ids=[ref], divergences={cand: d}, options=ChartOptions(delta=True))
 
 Each run is one line, decimated by `rldiag.app.plots.decimate` (every bucket's min and max, so no spike is lost),
-drawn in the run's own colour; the reference runs wider and on top. Every NaN, +inf and -inf point is a
-marker of its own on a hidden [0, 1] axis: NaN as an x at the top edge, +inf a triangle at the top,
--inf a triangle at the bottom, so a non-finite step shows whatever the line's scale. A candidate's
-divergence onset is a dashed vertical line and a diamond on the candidate's curve. Run names are
-escaped: plotly shows them as text in legends and hover labels, never as HTML.
+drawn in the run's own colour (`run_colors`: from the run, not its place in the picked list); the
+reference runs wider and on top. Every NaN, +inf and -inf point is a marker of its own on a hidden
+[0, 1] axis: NaN as an x at the top edge, +inf a triangle at the top, -inf a triangle at the bottom,
+so a non-finite step shows whatever the line's scale; each run's markers sit a little further from
+the edge than the previous run's, so two runs NaN at the same steps both show, and each marker kind
+has its legend entry under its run. On a log scale the values <= 0 break the line and are open
+circles at the bottom, counted in the title. A candidate's divergence onset is a dashed vertical
+line (candidates leaving at one step split its height) and a diamond on the candidate's curve. Run
+names are escaped: plotly shows them as text in legends and hover labels, never as HTML.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +40,9 @@ REFERENCE_GREYS = ("#111111", "#555555", "#888888", "#AAAAAA")
 NAN_SUFFIX = " NaN"
 POSINF_SUFFIX = " +inf"
 NEGINF_SUFFIX = " -inf"
+NONPOS_SUFFIX = " ≤ 0"  # log scale: finite values it cannot draw
 DIVERGES_PREFIX = "diverges: "
+MARKER_OFFSET = 0.04  # of the panel's height, between the markers of two runs
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class ChartOptions:
 
     delta: bool = False  # plot each run minus the reference (mean of the references) at the same step
     smoothing: float = 0.0  # exponential moving average weight in [0, 1), as TensorBoard's slider; 0: raw
-    log_y: bool = False  # logarithmic y axis (non-positive values are not drawn; markers still are)
+    log_y: bool = False  # logarithmic y axis (values <= 0: a line break and an open circle at the bottom)
     first: int | None = None  # first step shown (None: the start)
     last: int | None = None  # last step shown (None: the end)
     n_points: int = DEFAULT_POINTS  # line points per run after decimation
@@ -57,12 +64,41 @@ class ChartOptions:
             raise ValueError(f"step range {self.first}..{self.last} is empty: the first step must be <= the last")
 
 
-def run_colors(run_ids: Sequence[str], reference_ids: Sequence[str] = ()) -> dict[str, str]:
-    """A fixed colour per run: references in black and greys, candidates from the palette, in order."""
-    refs = [r for r in run_ids if r in set(reference_ids)]
-    cands = [r for r in run_ids if r not in set(reference_ids)]
-    colors = {r: REFERENCE_GREYS[i % len(REFERENCE_GREYS)] for i, r in enumerate(refs)}
-    colors.update({r: PALETTE[i % len(PALETTE)] for i, r in enumerate(cands)})
+def run_order(runs) -> list[str]:
+    """Run ids oldest first (start time, then id): the order `run_colors` reads a run's colour from.
+    `runs`: a DataFrame with `run_id` and `start_time` columns, every run of the experiment(s) (the
+    dashboard's run list, the report's search), so that a run keeps its colour whatever is picked."""
+    if runs is None or not len(runs):
+        return []
+    import pandas as pd
+
+    # datetimes (find_runs) or epoch numbers (a raw search): only their order matters
+    t = runs["start_time"]
+    t = t if pd.api.types.is_datetime64_any_dtype(t) else pd.to_datetime(t, unit="ms", utc=True, errors="coerce")
+    df = pd.DataFrame({"run_id": runs["run_id"].to_numpy(), "t": t.to_numpy()})
+    return df.sort_values(["t", "run_id"], kind="stable", na_position="first")["run_id"].tolist()
+
+
+def _hash_slot(run_id: str) -> int:
+    """A palette slot from the run id alone (a stable hash, the same in every process)."""
+    return int(hashlib.sha1(run_id.encode()).hexdigest()[:8], 16)
+
+
+def run_colors(run_ids: Sequence[str], reference_ids: Sequence[str] = (), *,
+               order: Sequence[str] | None = None) -> dict[str, str]:
+    """A colour per run that follows the run, not its place in the picked list: a candidate takes the
+    palette colour of its place in `order` (every run of its experiment, oldest first: `run_order`);
+    references take black and greys in that order. A run not in `order` (or no `order`): a stable hash
+    of its id. The dashboard and the report pass the same order, so a run has one colour in both."""
+    refs = set(reference_ids)
+    place = {r: i for i, r in enumerate(order or ())}
+
+    def slot(r: str) -> int:
+        return place[r] if r in place else _hash_slot(r)
+
+    ref_ids = sorted((r for r in run_ids if r in refs), key=lambda r: (r not in place, place.get(r, 0), r))
+    colors = {r: REFERENCE_GREYS[i % len(REFERENCE_GREYS)] for i, r in enumerate(ref_ids)}
+    colors.update({r: PALETTE[slot(r) % len(PALETTE)] for r in run_ids if r not in refs})
     return colors
 
 
@@ -100,10 +136,23 @@ def _delta_traces(traces: Mapping[str, Trace], reference_ids: Sequence[str]) -> 
 
 
 def _marker(name: str, steps: np.ndarray, y: float, symbol: str, color: str, group: str, size: int = 9) -> dict:
+    """Markers on the hidden [0, 1] axis, listed in the legend under their run (`legendgroup`)."""
     return dict(type="scatter", x=steps, y=np.full(len(steps), y, np.float32), mode="markers", name=name,
-                legendgroup=group, showlegend=False, yaxis="y2",
+                legendgroup=group, showlegend=True, yaxis="y2",
                 marker=dict(symbol=symbol, size=size, color=color, line=dict(width=1, color=color)),
                 hovertemplate=f"{name}<br>step %{{x}}<extra></extra>", cliponaxis=False)
+
+
+def _gap_starts(dropped: np.ndarray) -> np.ndarray:
+    """Indices where a block of consecutive True values starts: one line break per block."""
+    return np.flatnonzero(dropped & ~np.concatenate([[False], dropped[:-1]]))
+
+
+def _thin(steps: np.ndarray, n: int) -> np.ndarray:
+    """At most about `n` of `steps`, evenly spread, the first and last kept (markers of dropped points)."""
+    if len(steps) <= n:
+        return steps
+    return steps[np.unique(np.linspace(0, len(steps) - 1, n).round().astype(np.int64))]
 
 
 @functools.cache
@@ -135,55 +184,86 @@ def metric_figure(
     data: list[dict] = []
     shapes: list[dict] = []
     order = [r for r in shown if r not in refs] + [r for r in shown if r in refs]  # references drawn last, on top
+    marked = 0  # runs with markers so far: each next one sits a step further from the edge
+    dropped_total = 0
     for run in order:
         t = shown[run].between(options.first, options.last)
         name = _text(labels.get(run, run))
         color = colors.get(run, PALETTE[0])
         values = smooth(t.values, options.smoothing)
-        drawn = np.isfinite(values) & (values > 0) if options.log_y else np.isfinite(values)
+        finite = np.isfinite(values)
+        drawn = finite & (values > 0) if options.log_y else finite
         d = decimate(t.steps[drawn], values[drawn], n_out=options.n_points)
+        x, y = d.steps, d.values
+        dropped = finite & ~drawn  # log scale: values <= 0 have no place on the axis
+        if dropped.any():  # break the line where they were, instead of joining their neighbours
+            starts = t.steps[_gap_starts(dropped)]
+            x = np.concatenate([x, starts])
+            y = np.concatenate([y, np.full(len(starts), np.nan)])
+            o = np.argsort(x, kind="stable")
+            x, y = x[o], y[o]
+        if not len(x) and len(t):  # a run with no drawable point keeps its legend entry
+            x, y = t.steps[:1], np.full(1, np.nan)
         nf = t.nonfinite()  # every non-finite step of the raw trace, however many, as markers
         is_ref = run in refs
         data.append(dict(
-            type="scatter", x=d.steps, y=_compact(d.values), mode="lines", name=name, legendgroup=run,
+            type="scatter", x=x, y=_compact(y), mode="lines", name=name, legendgroup=run,
             line=dict(color=color, width=3.0 if is_ref else 1.6),
             opacity=1.0 if is_ref else 0.9,
             hovertemplate=f"%{{y:.4g}} at step %{{x}}<extra>{name}</extra>",
         ))
-        if len(nf.nan):
-            data.append(_marker(name + NAN_SUFFIX, nf.nan, 1.0, "x", color, run))
-        if len(nf.posinf):
-            data.append(_marker(name + POSINF_SUFFIX, nf.posinf, 1.0, "triangle-up", color, run))
-        if len(nf.neginf):
-            data.append(_marker(name + NEGINF_SUFFIX, nf.neginf, 0.0, "triangle-down", color, run))
+        if len(nf.nan) or len(nf.posinf) or len(nf.neginf) or dropped.any():
+            # Two runs NaN at the same steps: offset each run's markers from the edge, so both show.
+            top, bottom = 1.0 - MARKER_OFFSET * marked, MARKER_OFFSET * marked
+            marked += 1
+            if len(nf.nan):
+                data.append(_marker(name + NAN_SUFFIX, nf.nan, top, "x", color, run))
+            if len(nf.posinf):
+                data.append(_marker(name + POSINF_SUFFIX, nf.posinf, top, "triangle-up", color, run))
+            if len(nf.neginf):
+                data.append(_marker(name + NEGINF_SUFFIX, nf.neginf, bottom, "triangle-down", color, run))
+            if dropped.any():
+                dropped_total += int(dropped.sum())
+                data.append(_marker(name + NONPOS_SUFFIX, _thin(t.steps[dropped], options.n_points), bottom,
+                                    "circle-open", color, run, size=7))
+    onsets = {}
     for run, div in (divergences or {}).items():
         if run not in shown or not div.diverged:
             continue
         onset = div.onset_step
         if (options.first is not None and onset < options.first) or (options.last is not None and onset > options.last):
             continue
-        t = shown[run]
-        i = int(np.searchsorted(t.steps, onset))
-        y = float(t.values[min(i, len(t) - 1)]) if len(t) else float("nan")
-        color = colors.get(run, PALETTE[0])
-        name = _text(DIVERGES_PREFIX + labels.get(run, run))
-        shapes.append(dict(type="line", x0=onset, x1=onset, xref="x", y0=0, y1=1, yref="y domain",
-                           line=dict(color=color, dash="dash", width=1)))  # what fig.add_vline adds
-        data.append(dict(
-            type="scatter", x=[onset], y=[y if np.isfinite(y) else None], mode="markers", name=name,
-            legendgroup=run, showlegend=False,
-            marker=dict(symbol="diamond", size=11, color=color, line=dict(width=1, color="#000")),
-            hovertemplate=(f"{name}<br>from step %{{x}} ({div.kind}, "
-                           f"delta {div.delta:.3g} = {div.delta_sigma:.1f} sigma)<extra></extra>"),
-        ))
+        onsets.setdefault(onset, []).append((run, div))
+    for onset, at_step in onsets.items():
+        for j, (run, div) in enumerate(at_step):
+            t = shown[run]
+            i = int(np.searchsorted(t.steps, onset))
+            y = float(t.values[min(i, len(t) - 1)]) if len(t) else float("nan")
+            color = colors.get(run, PALETTE[0])
+            name = _text(DIVERGES_PREFIX + labels.get(run, run))
+            # Candidates leaving at one step share the height (one segment each), so no colour mixes.
+            n = len(at_step)
+            shapes.append(dict(type="line", x0=onset, x1=onset, xref="x", y0=j / n, y1=(j + 1) / n,
+                               yref="y domain", line=dict(color=color, dash="dash", width=1.5)))
+            data.append(dict(
+                type="scatter", x=[onset], y=[y if np.isfinite(y) else None], mode="markers", name=name,
+                legendgroup=run, showlegend=True,
+                marker=dict(symbol="diamond", size=11, color=color, line=dict(width=1, color="#000")),
+                hovertemplate=(f"{name}<br>from step %{{x}} ({div.kind}, "
+                               f"delta {div.delta:.3g} = {div.delta_sigma:.1f} sigma)<extra></extra>"),
+            ))
     title = f"{key} (minus reference)" if options.delta else key
+    if dropped_total:
+        title += f" · {dropped_total} points ≤ 0 not on the log scale (○ at the bottom)"
     xaxis = dict(title=dict(text="step"))
     if options.first is not None and options.last is not None:
         xaxis["range"] = [options.first, options.last]
     layout = dict(
         title=dict(text=_text(title), font=dict(size=14)),
         height=options.height, margin=dict(l=50, r=10, t=40, b=35),
-        hovermode="x", showlegend=True, legend=dict(orientation="h", y=-0.2, font=dict(size=10)),
+        hovermode="x", showlegend=True,
+        # At the right, where plotly.js grows the margin to fit it: below, it covered the "step" title.
+        legend=dict(orientation="v", x=1.02, xanchor="left", y=1, yanchor="top", font=dict(size=10)),
         xaxis=xaxis, yaxis=dict(type="log" if options.log_y else "linear"),
         yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
         template=_template(),

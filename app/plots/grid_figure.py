@@ -10,7 +10,8 @@ axes (type, range), vertical lines and hidden [0, 1] marker axis (`yaxis2`, now 
 that panel's own). A panel's title is an annotation above it whose `xref` names the panel's x axis
 ("x3 domain"): that is how a reader (the tests, the benchmark) finds which traces a titled panel
 holds. One legend for every panel, above them: a run's traces share its `legendgroup`, so a click
-on a run hides it everywhere, and each run is listed once, from the first panel that draws its line.
+on a run hides it everywhere, and each run (and each of its marker kinds) is listed once, from the
+first panel that draws it.
 
 The margins are fixed (`autoexpand` off), with room for the legend's estimated rows: a legend or tick
 labels pushing a margin make plotly.js lay out and draw the whole figure a second time (0.5 s of the
@@ -64,10 +65,10 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
                                                overlaying=refs["y"])
         for trace in fig.get("data", []):
             trace = dict(trace, xaxis=refs["x"], yaxis=refs.get(trace.get("yaxis", "y"), refs["y"]))
-            if trace.get("showlegend", True) is not False:
-                group = trace.get("legendgroup", trace.get("name"))
-                trace["showlegend"] = group not in listed
-                listed.add(group)
+            if trace.get("showlegend", True) is not False:  # a run's line and its markers: each once
+                entry = (trace.get("legendgroup", trace.get("name")), trace.get("name"))
+                trace["showlegend"] = entry not in listed
+                listed.add(entry)
             data.append(trace)
         for shape in own.get("shapes", ()):
             layout["shapes"].append(dict(shape, xref=_ref(shape.get("xref", "x"), refs),

@@ -31,7 +31,7 @@ from rldiag.app.analysis.nan_events import nan_events, unchecked_steps
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, nonfinite_table
 from rldiag.app.data.store import Store
-from rldiag.app.plots.figures import ChartOptions, metric_figure, run_colors
+from rldiag.app.plots.figures import ChartOptions, metric_figure, run_colors, run_order
 from rldiag.collectors import keys as K
 from rldiag.collectors.uri import redact_uri
 
@@ -65,6 +65,7 @@ class ReportContent:
     figures: dict[str, object]  # key -> plotly Figure
     summaries: tuple[CandidateSummary, ...] = ()  # per candidate, in candidate order
     unchecked: dict[str, list[int]] = field(default_factory=dict)  # run -> steps with grad/found = 0
+    histories: Histories | None = None  # what was loaded (the NaN episodes read which steps were checked)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -116,7 +117,7 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
 
     runs = get_runs(store, ids)
     labels = run_labels({r.info.run_id: r.info.run_name for r in runs})
-    colors = run_colors(ids, refs)
+    colors = run_colors(ids, refs, order=_color_order(store, runs))  # as the dashboard colours them
     tags = {r.info.run_id: dict(r.data.tags) for r in runs}
     infos = tuple(RunInfo(r.info.run_id, r.info.run_name or "", labels[r.info.run_id],
                           "reference" if r.info.run_id in refs else "candidate", colors[r.info.run_id],
@@ -141,7 +142,18 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     title = (f"group {', '.join(groups)}: " if groups else "") + f"{len(cands)} candidate(s) vs {len(refs)} reference(s)"
     return ReportContent(title, redact_uri(store.uri), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), infos,
                          tuple(keys), divergence, events, nonfinite, diff, figures, summaries,
-                         {r: s for r in ids if (s := unchecked_steps(histories, r))})
+                         {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories)
+
+
+def _color_order(store: Store, runs: list) -> list[str]:
+    """Every active run of the report's experiments, oldest first (`run_order`): the order the dashboard
+    reads a run's colour from, so that a run has one colour in both."""
+    from rldiag.app.data.runs import pages
+
+    exps = sorted({r.info.experiment_id for r in runs})
+    found = pages(store.client.search_runs, 100_000, experiment_ids=exps) if exps else []
+    return run_order(pd.DataFrame({"run_id": [r.info.run_id for r in found],
+                                   "start_time": [r.info.start_time for r in found]}))
 
 
 # ---- formatting shared by the HTML and Markdown renderers ------------------------------------------

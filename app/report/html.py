@@ -14,8 +14,12 @@ from functools import cache
 from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
+from rldiag.app.report.nan_episodes import nan_episodes
+from rldiag.collectors import keys as K
 
-MAX_EVENT_ROWS = 2000  # the NaN-events table; the charts keep every non-finite step regardless
+MAX_EVENT_ROWS = 2000  # per-step rows under the NaN episodes; the charts keep every non-finite step regardless
+MAX_CONFIG_CHARS = 120  # a config cell; longer values are cut with their length said
+ALERT_TAGS = tuple(v for k, v in vars(K).items() if k.startswith("TAG_ALERT_"))  # per-run alert state, not config
 PLOTLY_CONFIG = '{"responsive": true, "displaylogo": false}'
 # Inline scripts and styles only: no fetch, no font, no image from anywhere (plotly exports to data: URLs).
 CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
@@ -32,6 +36,7 @@ tr.hit td { background: #fff1e0; } tr.thin td { color: #666; background: #f6f6f6
   border-radius: 2px; margin-right: 6px; vertical-align: -1px; } code { font-size: 12px; }
 .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 8px 16px; }
 .chart { min-height: 300px; } .note { color: #666; font-style: italic; }
+details { margin: 2px 0 6px; } summary { cursor: pointer; color: #335; }
 """
 
 _LOADER = """(function () {
@@ -87,9 +92,14 @@ def _runs(c: ReportContent) -> str:
     return _table(["run", "role", "run id", "variant", "seed", "status"], rows)
 
 
+def _verdict(c: ReportContent) -> str:
+    """One line per candidate (`headline`): the first thing the page says."""
+    labels = c.labels
+    return "<ul>" + "".join(f"<li>{e(headline(s, labels[s.run_id]))}</li>" for s in c.summaries) + "</ul>"
+
+
 def _divergence(c: ReportContent) -> str:
     labels = c.labels
-    items = [e(headline(s, labels[s.run_id])) for s in c.summaries]
     summaries = {s.run_id: s for s in c.summaries}
     rows = []
     for r in c.divergence.to_dict("records"):
@@ -103,23 +113,40 @@ def _divergence(c: ReportContent) -> str:
     note = (f'<p class="note">A metric needs {needed} compared steps (candidate and a reference both logged, '
             'the band defined) before "no departure" means anything: fewer is "not enough steps".</p>'
             if needed else "")
-    return ("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>" + note
-            + _table(["candidate", "metric", "status", "onset step", "kind", "end step", "delta", "delta (sigma)",
+    return (note + _table(["candidate", "metric", "status", "onset step", "kind", "end step", "delta", "delta (sigma)",
                       "first non-finite step", "steps compared", "note"], rows, {3, 5, 6, 7, 8, 9}))
 
 
 def _nan_events(c: ReportContent) -> str:
+    """One row per run and episode (`nan_episodes`), the per-step detail folded under it."""
     ev = c.nan_events
     unchecked = unchecked_text(c.unchecked, c.labels)
     if ev.empty:
         return (f"<p>{e(unchecked)} No step with a non-finite gradient among the checked steps.</p>" if unchecked
                 else "<p>No step with a non-finite gradient in any run.</p>")
     labels = c.labels
-    rows = [([e(labels[r["run_id"]]), fmt(r["step"]), fmt(r["grad_norm"]), e(r["params"] or "-"),
-              e(r["positions"] or "-"), e(r["source"])], "") for r in ev.head(MAX_EVENT_ROWS).to_dict("records")]
-    more = (f'<p class="note">{len(ev) - MAX_EVENT_ROWS} more rows not shown; the charts mark every step.</p>'
-            if len(ev) > MAX_EVENT_ROWS else "")
-    return _table(["run", "step", "grad norm", "parameters", "samples / tokens", "source"], rows, {1, 2}) + more
+    episodes = nan_episodes(ev, c.histories, [r.run_id for r in c.runs])
+    rows = [([e(labels[ep.run_id]), e(ep.steps_text), fmt(len(ep.rows)), e(ep.norm_text), e(ep.params_text),
+              e(ep.positions_text), e(ep.source_text)], "") for ep in episodes]
+    table = _table(["run", "steps", "# steps", "grad norm", "parameters", "samples / tokens", "source"], rows, {2})
+    budget = MAX_EVENT_ROWS
+    details = []
+    for ep in episodes:
+        shown = ep.rows.head(max(budget, 0))
+        budget -= len(shown)
+        names = ep.params
+        same = ", the same" in ep.params_text or ", at this step" in ep.params_text  # listed once above the steps
+        per_step = [([fmt(r["step"]), fmt(r["grad_norm"]), e(r["positions"] or "-")]
+                     + ([] if same else [e(r["params"] or "-")]), "") for r in shown.to_dict("records")]
+        header = ["step", "grad norm", "samples / tokens"] + ([] if same else ["parameters"])
+        more = (f'<p class="note">{len(ep.rows) - len(shown)} more steps not listed; the charts mark every one.</p>'
+                if len(shown) < len(ep.rows) else "")
+        listed = (f"<p>Parameter tensors ({len(names)}): <code>{e(', '.join(names))}</code></p>"
+                  if same and names else "")
+        details.append(f"<details><summary>{e(labels[ep.run_id])}, steps {e(ep.steps_text)}: every step</summary>"
+                       f"{listed}{_table(header, per_step, {0, 1})}{more}</details>")
+    note = f"<p>{e(unchecked)}</p>" if unchecked else ""
+    return note + table + "".join(details)
 
 
 def _nonfinite(c: ReportContent) -> str:
@@ -132,11 +159,18 @@ def _nonfinite(c: ReportContent) -> str:
 
 
 def _config(c: ReportContent) -> str:
-    if c.config_diff.empty:
+    diff = c.config_diff
+    diff = diff[~diff["name"].isin(ALERT_TAGS)]  # the alert itself: the NaN section says it, in words
+    if diff.empty:
         return "<p>Every param and tag is the same in all runs.</p>"
-    rows = [([e(group), e(kind), f"<code>{e(name)}</code>", *(e(fmt_value(v)) for v in values)], "")
-            for group, kind, name, *values in c.config_diff.itertuples(index=False)]
+    rows = [([e(group), e(kind), f"<code>{e(name)}</code>", *(e(_cell(fmt_value(v))) for v in values)], "")
+            for group, kind, name, *values in diff.itertuples(index=False)]
     return _table(["group", "kind", "name", *(e(r.label) for r in c.runs)], rows)
+
+
+def _cell(text: str) -> str:
+    """A config value short enough for a table cell (a long one: its start and how long it is)."""
+    return text if len(text) <= MAX_CONFIG_CHARS else f"{text[:MAX_CONFIG_CHARS]}... ({len(text)} characters)"
 
 
 def render_html(c: ReportContent) -> str:
@@ -154,15 +188,17 @@ def render_html(c: ReportContent) -> str:
 </head><body>
 <header><h1>rldiag report: {e(c.title)}</h1>
 <p class="meta">Store {e(c.store_uri)} &middot; generated {e(c.generated_utc)} &middot; {len(c.keys)} metrics</p>
-<nav><a href="#runs">Runs</a><a href="#divergence">Divergence</a><a href="#charts">Charts</a>
-<a href="#nan">Non-finite gradients</a><a href="#nonfinite">Non-finite values</a><a href="#config">Config diff</a></nav>
+<nav><a href="#verdict">Verdict</a><a href="#charts">Charts</a><a href="#divergence">Divergence</a>
+<a href="#runs">Runs</a><a href="#nan">Non-finite gradients</a><a href="#nonfinite">Non-finite values</a>
+<a href="#config">Config diff</a></nav>
 </header>
-<section id="runs"><h2>Runs</h2>{_runs(c)}</section>
-<section id="divergence"><h2>Divergence from the references</h2>{_divergence(c)}</section>
+<section id="verdict"><h2>Verdict</h2>{_verdict(c)}</section>
 <section id="charts"><h2>Metrics</h2>
-<p class="note">Lines keep every bucket's min and max; x at the top: NaN, triangles: +inf/-inf;
-dashed line and diamond: where a candidate leaves the reference band.</p>
+<p class="note">Lines keep every bucket's min and max; x at the top: NaN, triangles: +inf/-inf (each run a
+little further from the edge); dashed line and diamond: where a candidate leaves the reference band.</p>
 <div class="grid">{charts}</div></section>
+<section id="divergence"><h2>Divergence from the references, per metric</h2>{_divergence(c)}</section>
+<section id="runs"><h2>Runs</h2>{_runs(c)}</section>
 <section id="nan"><h2>Non-finite gradients</h2>{_nan_events(c)}</section>
 <section id="nonfinite"><h2>Non-finite metric values</h2>{_nonfinite(c)}</section>
 <section id="config"><h2>Config differences</h2>{_config(c)}</section>

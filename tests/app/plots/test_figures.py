@@ -94,12 +94,71 @@ def test_step_range_log_scale_and_smoothing():
     t = _trace("r", np.r_[np.linspace(1, 100, 100), -5.0, 0.0, np.nan])
     fig = metric_figure("m", {"r": t}, options=ChartOptions(first=10, last=102, log_y=True))
     line = next(tr for tr in fig.data if tr.name == "r")
-    assert min(line.x) == 10 and (_y(line) > 0).all()  # -5 and 0 cannot be drawn on a log axis
+    # -5 (step 100) and 0 (step 101) cannot be drawn on a log axis: every drawn value is > 0, and the
+    # line breaks (a null) at step 100, where the block of dropped values starts
+    y = _y(line)
+    assert min(line.x) == 10 and (y[np.isfinite(y)] > 0).all()
+    assert np.asarray(line.x)[np.isnan(y)].tolist() == [100]
     assert fig.layout.yaxis.type == "log"
-    assert [tr.name for tr in fig.data] == ["r", "r NaN"]
+    assert [tr.name for tr in fig.data] == ["r", "r NaN", "r ≤ 0"]
+    # the two dropped points are marked at the bottom of the panel and counted in the title
+    below = next(tr for tr in fig.data if tr.name == "r ≤ 0")
+    assert np.asarray(below.x).tolist() == [100, 101] and _y(below).tolist() == [0.0, 0.0]
+    assert "2 points ≤ 0 not on the log scale" in fig.layout.title.text
     # TensorBoard's debiased EMA: the first value is kept, then 0.5 * previous + 0.5 * new, debiased
     np.testing.assert_allclose(smooth(np.array([2.0, 4.0, np.nan, 4.0]), 0.5),
                                [2.0, (0.5 * 1.0 + 2.0) / 0.75, np.nan, (0.5 * 2.5 + 2.0) / 0.875])
+
+
+def test_a_run_keeps_its_colour_whatever_else_is_picked():
+    # The experiment's runs oldest first: a (t=1), b (t=2), c (t=3), d (t=4). A candidate's colour is
+    # PALETTE[its place in that order]: c is PALETTE[2] with two runs picked and with four.
+    import pandas as pd
+
+    from rldiag.app.plots.figures import PALETTE, run_order
+
+    runs = pd.DataFrame({"run_id": ["d", "c", "b", "a"], "start_time": [4, 3, 2, 1]})  # newest first, as find_runs
+    order = run_order(runs)
+    assert order == ["a", "b", "c", "d"]
+    two = run_colors(["a", "c"], ["a"], order=order)
+    four = run_colors(["a", "d", "b", "c"], ["a"], order=order)
+    assert two["c"] == four["c"] == PALETTE[2] and four["d"] == PALETTE[3] and four["b"] == PALETTE[1]
+    assert two["a"] == four["a"] == REFERENCE_COLOR
+    # A run outside the order: a stable hash of its id, the same in any list
+    assert run_colors(["x", "c"], order=order)["x"] == run_colors(["b", "x"], order=order)["x"]
+
+
+def test_two_runs_nan_at_the_same_steps_both_show_with_legend_entries():
+    a = _trace("a", [1.0, np.nan, np.nan, 1.0], key="grad/norm")
+    b = _trace("b", [1.0, np.nan, np.nan, np.inf], key="grad/norm")
+    fig = metric_figure("grad/norm", {"a": a, "b": b})
+    by_name = {t.name: t for t in fig.data}
+    # a's NaN markers at the top edge (y 1.0), b's one offset below them (1.0 - 0.04), each in its colour
+    assert _y(by_name["a NaN"]).tolist() == [1.0, 1.0] and np.allclose(_y(by_name["b NaN"]), 0.96)
+    assert by_name["a NaN"].marker.color == by_name["a"].line.color != by_name["b NaN"].marker.color
+    assert by_name["b NaN"].marker.color == by_name["b"].line.color
+    # every marker kind is listed in the legend under its run
+    assert all(by_name[n].showlegend and by_name[n].legendgroup == n[0] for n in ("a NaN", "b NaN", "b +inf"))
+
+
+def test_onsets_at_one_step_split_the_line_and_are_in_the_legend():
+    from rldiag.app.analysis.divergence import Divergence
+
+    ref = _trace("ref", np.ones(30))
+    cands = {c: _trace(c, np.r_[np.ones(10), np.full(20, 2.0)]) for c in ("c1", "c2")}
+    div = {c: Divergence("m", 10, "level", None, 1.0, 10.0, None, 30) for c in cands}
+    fig = metric_figure("m", {"ref": ref, **cands}, reference_ids=["ref"], divergences=div)
+    # two candidates leaving at step 10: two dashed segments, one on top of the other (0-0.5, 0.5-1)
+    assert sorted((s.x0, s.y0, s.y1) for s in fig.layout.shapes) == [(10, 0.0, 0.5), (10, 0.5, 1.0)]
+    assert {s.line.color for s in fig.layout.shapes} == {fig.data[0].line.color, fig.data[1].line.color}
+    assert [t.name for t in fig.data if t.showlegend and t.name.startswith(DIVERGES_PREFIX)] == [
+        "diverges: c1", "diverges: c2"]
+
+
+def test_a_run_with_only_nan_values_keeps_its_line_entry():
+    fig = metric_figure("grad/norm", {"r": _trace("r", [np.nan, np.nan], key="grad/norm")})
+    line = next(t for t in fig.data if t.name == "r")
+    assert line.showlegend is not False and len(line.x) == 1 and np.isnan(_y(line)).all()
 
 
 def test_bad_options_say_what_to_use():

@@ -66,7 +66,9 @@ def test_panels_two_a_row_keep_their_traces_markers_onset_lines_and_titles():
 def test_one_legend_lists_each_run_once_and_margins_never_grow():
     fig = grid_figure(_figures())
     listed = [t["name"] for t in fig["data"] if t["showlegend"]]
-    assert listed == ["cand", "ref", html.escape(EVIL, quote=False)]  # evil's line is first in grad/norm
+    # each run's line once, and once each of its marker kinds (the onset diamond, the NaN x) in the
+    # first panel that draws it (grad/norm: candidates in order, each line then its markers)
+    assert listed == ["cand", "ref", "diverges: cand", "cand NaN", html.escape(EVIL, quote=False)]
     # every trace of a run shares its legendgroup: a click on a run hides it in every panel
     groups = {t["legendgroup"] for t in fig["data"] if t["name"].startswith("cand") or t["name"].endswith(" cand")}
     assert groups == {"cand"}

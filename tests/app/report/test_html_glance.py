@@ -1,0 +1,107 @@
+"""The HTML report answers at a glance, on the real masked-vs-unmasked reproduction (issue 18 items 1-3, 8).
+
+One real store: `rldiag experiment masked-vs-unmasked` with 12 steps and configs 1x1 and 1x2, i.e. four
+runs (masked/unmasked x 1x1/1x2); only unmasked-b1xa2 has NaN gradients, at every step 1-12, in all
+30 parameter tensors of the tiny policy, its alerts file naming them and the padded token positions.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from rldiag.app.report.build import build_report
+from rldiag.experiments import masked_vs_unmasked as mvu
+from tests.browser import chromium, screenshot
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mvu-report")
+    uri = f"sqlite:///{tmp / 'mlruns.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp)  # journals and artifacts land in tmp
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        cfg = mvu.ExperimentConfig(base=mvu.DistillConfig(steps=STEPS), configs=((1, 1), (1, 2)), experiment="mvu")
+        mvu.run_experiment(cfg, tracking_uri=uri, progress=False)
+        rep = build_report(uri, group=mvu.GROUP)
+    path = tmp / "report.html"
+    rep.write(path)
+    return rep, path
+
+
+def _section(page: str, sid: str) -> str:
+    return page.split(f'<section id="{sid}">', 1)[1].split("</section>", 1)[0]
+
+
+def _rows(section: str) -> list[list[str]]:
+    """The cells (tags stripped) of the first table's body rows."""
+    body = section.split("<tbody>", 1)[1].split("</tbody>", 1)[0]
+    return [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body)]
+
+
+def test_nan_section_is_one_row_per_episode_with_the_steps_behind_it(report):
+    rep, _ = report
+    nan = _section(rep.html, "nan")
+    # 12 NaN steps of one run are one episode row (was: 12 rows, each listing the 30 tensor names)
+    [row] = _rows(nan)
+    assert row[:5] == ["unmasked-b1xa2", f"1-{STEPS}", str(STEPS), "NaN",
+                       "30 parameter tensors, the same at every step"]
+    # the padded samples, each with its count of token positions: "micro-batch 1 sample 0: 21 token positions; ..."
+    assert re.fullmatch(r"micro-batch \d sample \d: \d+ token positions(; micro-batch \d sample \d: \d+ token "
+                        r"positions)*", row[5]), row[5]
+    # the detail is folded: the names once, every step's positions in a closed <details>
+    [details] = re.findall(r"<details>.*?</details>", nan, re.S)
+    assert details.count("head.weight") == 1 and details.count("<tr") == STEPS + 1  # header + one per step
+    assert "<details open" not in nan
+
+
+def test_config_table_has_no_alert_blob_and_sections_put_the_answer_first(report):
+    rep, _ = report
+    config = _section(rep.html, "config")
+    assert "rldiag.alert" not in config and '"positions"' not in config  # was a 2 KB JSON per NaN run
+    assert max(len(c) for r in _rows(config) for c in r) < 200
+    order = re.findall(r'<section id="(\w+)">', rep.html)
+    assert order[:2] == ["verdict", "charts"] and order.index("divergence") > order.index("charts")
+    assert order.index("runs") > order.index("charts") and order.index("nan") > order.index("charts")
+
+
+# Each drawn chart: its legend's entries, the boxes of the legend and the x axis title (page pixels).
+BOXES_JS = """() => [...document.querySelectorAll('.chart')].map(c => {
+    const box = el => { if (!el) return null; const r = el.getBoundingClientRect();
+                        return [r.left, r.top, r.right, r.bottom]; };
+    return {key: c.dataset.key, legend: box(c.querySelector('.legend')), xtitle: box(c.querySelector('.g-xtitle')),
+            names: [...c.querySelectorAll('.legendtext')].map(t => t.textContent), top: c.getBoundingClientRect().top};
+})"""
+
+
+@pytest.mark.browser
+def test_report_in_chromium_is_short_with_charts_first_and_legends_clear_of_the_axis(report):
+    rep, path = report
+    colors = {r.label: r.color for r in rep.content.runs}
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        page.goto(path.as_uri())
+        page.wait_for_function("() => [...document.querySelectorAll('.chart')].every(c => c._fullLayout)",
+                               timeout=180_000)
+        charts = {c["key"]: c for c in page.evaluate(BOXES_JS)}
+        height = page.evaluate("() => document.documentElement.scrollHeight")
+        screenshot(page, "report-glance")
+    # The first screen (900 px) holds the verdict and the first charts; no table comes before them.
+    first = min(c["top"] for c in charts.values())
+    assert first < 900, first
+    # No legend covers its chart's "step" title (it sat on it, below the plot).
+    for key, c in charts.items():
+        lx0, ly0, lx1, ly1 = c["legend"]
+        tx0, ty0, tx1, ty1 = c["xtitle"]
+        assert lx1 <= tx0 or tx1 <= lx0 or ly1 <= ty0 or ty1 <= ly0, (key, c["legend"], c["xtitle"])
+    # grad/norm of unmasked-b1xa2 is NaN at every step: the run keeps its legend entry, and its markers too
+    assert {"unmasked-b1xa2", "unmasked-b1xa2 NaN"} <= set(charts["grad/norm"]["names"])
+    assert len(set(colors.values())) == len(colors)  # four runs, four colours
+    # 4 runs x 12 steps: the page was 20,926 px at 6 runs x 40 steps before the NaN episodes; each of
+    # these 12 NaN steps used to be a table row of about 130 px (30 names), now one row and a folded list.
+    assert height < 6000, height
