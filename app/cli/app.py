@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from rldiag.app.cli.options import CliError, add_tracking_option, store_failed
-from rldiag.app.dashboard import RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI
+from rldiag.app.dashboard import LOCAL_HOSTS, RLDIAG_ALLOW_URI_INPUT, RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI
 from rldiag.collectors.uri import redact_uri
 
 if importlib.util.find_spec("streamlit") is None:  # `rldiag app` names the [app] extra (rldiag.app.cli.main)
@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=_port, default=8501, help="TCP port (default: 8501)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     p.add_argument("--experiment", default=None, metavar="NAME", help="experiment to open with (default: the newest)")
+    p.add_argument("--allow-uri-input", action="store_true",
+                   help="let the sidebar take a typed tracking URI (localhost only: whoever can type it makes "
+                        "the server open that file or URL with this machine's credentials)")
 
 
 def streamlit_command(host: str, port: int) -> list[str]:
@@ -102,11 +105,15 @@ def run(args: argparse.Namespace) -> int:
     from rldiag.collectors.settings import default_tracking_uri
 
     uri = args.tracking_uri or default_tracking_uri()
+    if args.allow_uri_input and args.host not in LOCAL_HOSTS:
+        raise CliError(f"--allow-uri-input with --host {args.host}: anyone who can reach the page could make this "
+                       "server open any file or URL; serve on --host 127.0.0.1 with it, or drop --allow-uri-input")
     _check_store(uri, args.experiment)  # a bad URI or experiment: exit 2 now, not a page that says so later
     _check_free(args.host, args.port)
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", **{RLDIAG_TRACKING_URI.name: uri})
     if args.experiment:
         env[RLDIAG_EXPERIMENT.name] = args.experiment
+    env[RLDIAG_ALLOW_URI_INPUT.name] = "1" if args.allow_uri_input else "0"  # never inherited from the shell
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{'[' + shown_host + ']' if ':' in shown_host else shown_host}:{args.port}/"
     print(f"rldiag dashboard: {url}  (store {redact_uri(uri)}; Ctrl+C stops it)", flush=True)

@@ -12,6 +12,10 @@ from rldiag.collectors.settings import EnvVar
 RLDIAG_TRACKING_URI = EnvVar("RLDIAG_TRACKING_URI", None,
                              "The dashboard's tracking store; unset: MLFLOW_TRACKING_URI, else ./mlruns.db.")
 RLDIAG_EXPERIMENT = EnvVar("RLDIAG_EXPERIMENT", None, "The experiment the dashboard opens with.")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # server addresses on which a typed URI may be allowed
+RLDIAG_ALLOW_URI_INPUT = EnvVar("RLDIAG_ALLOW_URI_INPUT", "0",
+                                "1: the sidebar takes a typed tracking URI (`rldiag app --allow-uri-input`; "
+                                "honoured only while the server listens on localhost).")
 RLDIAG_REFRESH_S = EnvVar("RLDIAG_REFRESH_S", "10", "Seconds between live refreshes while a picked run is RUNNING.")
 
-__all__ = ["RLDIAG_EXPERIMENT", "RLDIAG_REFRESH_S", "RLDIAG_TRACKING_URI"]
+__all__ = ["LOCAL_HOSTS", "RLDIAG_ALLOW_URI_INPUT", "RLDIAG_EXPERIMENT", "RLDIAG_REFRESH_S", "RLDIAG_TRACKING_URI"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import streamlit as st
 
-from rldiag.app.dashboard import RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI, data
+from rldiag.app.dashboard import LOCAL_HOSTS, RLDIAG_ALLOW_URI_INPUT, RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI, data
 from rldiag.app.data.runs import run_labels
 from rldiag.app.errors import NoRunsFound
 
@@ -110,6 +110,14 @@ def _pick_runs(uri: str, experiment: str, runs: pd.DataFrame, labels: dict[str, 
     return refs, cands
 
 
+def uri_input_allowed() -> bool:
+    """True only when `rldiag app --allow-uri-input` asked for the URI box and the server listens on
+    localhost (checked here too: the environment alone never opens it on a network address)."""
+    if not RLDIAG_ALLOW_URI_INPUT.get_bool():
+        return False
+    return str(st.get_option("server.address") or "") in LOCAL_HOSTS
+
+
 def render_sidebar() -> Selection:
     """Draw the sidebar, store the `Selection` for the pages and return it. Raises DataError
     (StoreUnreachable and friends) for the entry script to show."""
@@ -117,10 +125,12 @@ def render_sidebar() -> Selection:
     from rldiag.collectors.uri import redact_uri
 
     st.sidebar.title("rldiag")
-    if "sidebar.uri" not in st.session_state:
-        st.session_state["sidebar.uri"] = RLDIAG_TRACKING_URI.get() or default_tracking_uri()
-    st.sidebar.text_input("Tracking URI", key="sidebar.uri", help="MLflow tracking store (read only)")
-    uri = st.session_state["sidebar.uri"].strip()
+    uri = RLDIAG_TRACKING_URI.get() or default_tracking_uri()
+    if uri_input_allowed():  # `rldiag app --allow-uri-input` on localhost only: a visitor never picks the store
+        if "sidebar.uri" not in st.session_state:
+            st.session_state["sidebar.uri"] = uri
+        st.sidebar.text_input("Tracking URI", key="sidebar.uri", help="MLflow tracking store (read only)")
+        uri = st.session_state["sidebar.uri"].strip()
     sel = Selection(uri)
     st.session_state[_STATE] = sel
     data.get_store(uri)  # StoreUnreachable: the entry shows it

@@ -46,6 +46,19 @@ class Store:
 
     @cached_property
     def client(self):
+        """MLflow's client for reading. A SQL store (SQLite, PostgreSQL, MySQL) is opened read-only:
+        never migrated, never written (`rldiag.app.data.readonly_sql`)."""
+        from mlflow.tracking import MlflowClient
+
+        if self.kind == "sqlite" or _is_sql_uri(self.uri):
+            from rldiag.app.data.readonly_sql import read_only_client
+
+            return read_only_client(self.uri)
+        return MlflowClient(self.uri)
+
+    @cached_property
+    def write_client(self):
+        """MLflow's ordinary client, for the few writes a command is asked for (`rldiag watch --tag-runs`)."""
         from mlflow.tracking import MlflowClient
 
         return MlflowClient(self.uri)
@@ -79,6 +92,10 @@ def sqlite_path_of(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///"):
         return None
     return Path(uri[len("sqlite:///"):].split("?", 1)[0]).resolve()
+
+
+def _is_sql_uri(uri: str) -> bool:
+    return uri.split("://", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "postgres", "mysql", "mssql")
 
 
 def _connect_ro(path: Path) -> sqlite3.Connection:
@@ -117,7 +134,35 @@ def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0,
             f"(sqlite:///path/to/mlflow.db) or PostgreSQL (postgresql://user:password@host:5432/mlflow). Unset "
             f"{BACKEND_ENV} (or drop --backend-store-uri) to read everything through the server."
         )
-    return Store(uri, "other")
+    return _open_other(uri)
+
+
+_OTHER_SCHEMES = ("postgresql", "postgres", "mysql", "mssql", "file", "databricks", "databricks-uc", "uc")
+
+
+def _open_other(uri: str) -> Store:
+    """A store MLflow's client reads (a SQL database, a file store, Databricks), opened now so that a
+    URI it cannot read is one line here rather than a traceback on first use."""
+    shown = redact_uri(uri)
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme not in _OTHER_SCHEMES:
+        raise StoreUnreachable(
+            f"tracking URI {shown!r} is not a store rldiag reads: use sqlite:///path/to/mlruns.db, "
+            f"http://host:5000 (an mlflow server) or postgresql://user:password@host:5432/mlflow. {_FIX}")
+    if scheme == "file" and not Path(uri.split(":", 1)[1].removeprefix("//")).is_dir():
+        # MLflow's file store creates a missing folder and a default experiment in it: never from here
+        raise StoreUnreachable(f"no MLflow file store at {shown!r} (the folder does not exist): point at an existing "
+                               f"store, e.g. sqlite:///path/to/mlruns.db. {_FIX}")
+    store = Store(uri, "other")
+    try:
+        store.client  # noqa: B018 - opens it: a missing driver, a refused login, an unknown schema
+    except Exception as e:  # noqa: BLE001 - MLflow, SQLAlchemy and driver errors come in many types
+        from rldiag.collectors.uri import redact_text
+
+        first = redact_text(str(e).strip().splitlines()[0]) if str(e).strip() else ""
+        raise StoreUnreachable(f"cannot open the tracking store {shown!r} ({type(e).__name__}: {first}). "
+                               f"Check the URI and its credentials. {_FIX}") from None
+    return store
 
 
 def connect_postgres(dsn: str, timeout_s: float = 10.0):

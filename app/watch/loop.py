@@ -190,7 +190,7 @@ class Watcher:
     def _set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.store.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self.store.write_client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])  # --tag-runs only
 
     def _check_divergence(self, runs: list) -> int:
         from rldiag.app.analysis.divergence import compare_runs, divergence_frame
