@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 SCHEME = "rldiag-readonly"  # rldiag-readonly+sqlite:///path, rldiag-readonly+postgresql://...
 _registered = threading.Lock()
-_done = False
+_schemes: set[str] = set()
 
 
 def read_only_uri(uri: str) -> str:
@@ -36,21 +36,21 @@ def read_only_client(uri: str):
     """An `MlflowClient` over the SQL store `uri` that never migrates or writes it."""
     from mlflow.tracking import MlflowClient
 
-    _register()
-    return MlflowClient(read_only_uri(uri))
+    ro = read_only_uri(uri)
+    _register(ro.split("://", 1)[0])
+    return MlflowClient(ro)
 
 
-def _register() -> None:
-    global _done
+def _register(scheme: str) -> None:
+    """Make MLflow's store registry build `ReadOnlySqlStore` for `scheme` (e.g. rldiag-readonly+postgresql+psycopg2:
+    the registry keys on the whole scheme, driver included)."""
     with _registered:
-        if _done:
+        if scheme in _schemes:
             return
-        from mlflow.store.db.db_types import DATABASE_ENGINES
         from mlflow.tracking._tracking_service.utils import _tracking_store_registry
 
-        for engine in DATABASE_ENGINES:  # sqlite, postgresql, mysql, mssql
-            _tracking_store_registry.register(f"{SCHEME}+{engine}", _build)
-        _done = True
+        _tracking_store_registry.register(scheme, _build)
+        _schemes.add(scheme)
 
 
 def _build(store_uri: str, artifact_uri: str | None = None):

