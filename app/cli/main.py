@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("rldiag.app.cli.watch", "alert on non-finite gradients in active MLflow runs (any logger)"),
     "report": ("rldiag.app.cli.report", "write a run-comparison report: self-contained HTML and a Markdown summary"),
     "app": ("rldiag.app.cli.app", "open the dashboard in the browser: overlay runs, divergence, NaN events, config diff"),
+    "preflight": ("rldiag.app.cli.preflight", "check engine-trainer logprob parity at equal weights before a run, knob by knob"),
 }
 
 
