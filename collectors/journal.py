@@ -1,54 +1,75 @@
 """The writer's append-only local journal: every batch is written here before it is sent.
 
-One JSON object per line:
-- `{"rldiag_journal": 1, "run_id": ..., "tracking_uri": ...}`: the header, first line. The URI is stored
-  without its credentials (`redact_uri`: the password and secret query values are `***`, and
-  `"uri_redacted": true` says so); `rldiag sync` takes them from `--tracking-uri` or
-  `MLFLOW_TRACKING_URI` again;
-- `{"seq": N, "m": [[key, value, timestamp_ms, step], ...], "t": {tag: value}}`: a batch;
-- `{"ack": [N, ...]}`: batches that reached the store;
+A journal belongs to one process at a time (`journal_lock`: a flock on `<stem>.lock`, taken before
+anything is read or appended). The first writer of a run owns `<run_id>`; a second writer of the same
+run id, while the first lives, gets `<run_id>-2` (and says so in one line): batch numbers are per
+journal, so one writer's acks never mark the other's batches delivered. A writer that starts for a
+run also takes over the run's other journals that no live process holds, and delivers them.
+
+The journal is cut into segments of about `segment_bytes` (`journal_read` names them). A segment whose
+batches are all acknowledged is deleted while the run goes on, so the journal on disk is what is not
+delivered plus the segment being written. Each line is one JSON object:
+- `{"rldiag_journal": 2, "run_id": ..., "tracking_uri": ..., "segment": K}`: the header, first line of
+  each segment. The URI is stored without its credentials (`redact_uri`: the password and secret query
+  values are `***`, and `"uri_redacted": true` says so); `rldiag sync` takes them from
+  `--tracking-uri` or `MLFLOW_TRACKING_URI` again;
+- `{"seq": N, "n": K, "m": [[key, value, timestamp_ms, step], ...], "t": {tag: value}}`: a batch of K
+  entries (points plus tags);
+- `{"ack": [N, ...]}`: batches that reached the store, appended to the segment that holds them;
 - `{"refused": [[entry, reason], ...]}`: metric points (`[key, value, timestamp_ms, step]`) and tags
   (`[key, value]`) the store refused for good, written before the ack of their batch: set aside, never
-  replayed, kept here for the record.
+  replayed, kept for the record while their segment is.
 
-A batch without an ack is replayed: automatically when a writer starts again for the same run, or by
-`rldiag sync FILE`. Replays keep each point's original timestamp, and MLflow's SQL stores ignore an
-identical (key, value, step, timestamp) point, so delivering a batch twice stores it once. Lines that
-do not parse (a process killed mid-write, a damaged file) are skipped and counted. NaN and inf are
-written as JSON's `NaN` / `Infinity` tokens, which Python's json reads back.
+A journal of rldiag before segments (version 1: one `<run_id>.jsonl`, batches without `"n"`) is
+segment 0 of its stem and is read the same way. A batch without an ack is replayed: automatically
+when a writer starts again for the same run, or by `rldiag sync FILE`. Replays keep each point's
+original timestamp, and MLflow's SQL stores ignore an identical (key, value, step, timestamp) point, so
+delivering a batch twice stores it once. Lines that do not parse (a process killed mid-write, a damaged
+file) are skipped and counted. NaN and inf are written as JSON's `NaN` / `Infinity` tokens, which
+Python's json reads back.
 
-The journal holds a run's metrics and tags: it is created readable by its owner only (0600), in a
-folder created 0700 (an existing folder keeps its mode).
+The journal holds a run's metrics and tags: its files are created readable by their owner only
+(0600), in a folder created 0700 (an existing folder keeps its mode).
 """
 
 from __future__ import annotations
 
-import errno
 import json
+import logging
 import os
+import re
 import stat
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from rldiag.collectors.uri import is_redacted, redact_uri
+from rldiag.collectors.journal_lock import JournalBusy, JournalLock, holder, try_lock
+from rldiag.collectors.journal_read import (
+    Batch,
+    JournalScan,
+    Point,
+    Segment,
+    iter_pending,
+    lock_path,
+    scan_journal,
+    segment_files,
+    segment_path,
+    split_name,
+)
+from rldiag.collectors.uri import redact_uri
 
-Point = tuple[str, float, int, int]  # key, value, timestamp_ms, step
+__all__ = ["Batch", "Journal", "JournalBusy", "JournalContents", "Point", "Segment", "journal_path", "read_journal"]
 
-JOURNAL_VERSION = 1
+log = logging.getLogger("rldiag.writer")
+
+JOURNAL_VERSION = 2
+SEGMENT_BYTES = 4 << 20  # about 78k points a segment (54 bytes a point)
+MAX_WRITERS = 64  # stems <run_id>, <run_id>-2 ... <run_id>-64
 
 
-@dataclass
-class Batch:
-    seq: int
-    metrics: list[Point]
-    tags: dict[str, str] = field(default_factory=dict)
-    replayed: bool = False  # read back from an earlier journal
-    created: float = 0.0  # time.monotonic() when queued for sending (0: send at once)
-
-    @property
-    def size(self) -> int:
-        return len(self.metrics) + len(self.tags)
+def journal_path(spill_dir: str | os.PathLike, run_id: str) -> Path:
+    """Segment 0 of the first journal of `run_id`; `rldiag sync` of this path reads all its segments."""
+    return Path(spill_dir) / f"{run_id}.jsonl"
 
 
 @dataclass
@@ -62,105 +83,289 @@ class JournalContents:
     uri_redacted: bool = False  # the header's tracking URI had credentials, which were not stored
 
 
-def journal_path(spill_dir: str | os.PathLike, run_id: str) -> Path:
-    return Path(spill_dir) / f"{run_id}.jsonl"
-
-
 def read_journal(path: str | os.PathLike) -> JournalContents:
-    """Parse a journal; unacknowledged batches come back in order, damaged lines are counted."""
-    run_id = uri = None
-    redacted = False
-    batches: dict[int, Batch] = {}
-    acked: set[int] = set()
-    corrupt = 0
-    refused = 0
-    max_seq = -1
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a device or FIFO would read forever (/dev/zero, /dev/full)
-        raise OSError(errno.EINVAL, f"{path} is not a regular file, so not a journal")
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                obj = json.loads(raw)
-                if "rldiag_journal" in obj:
-                    run_id, uri = obj.get("run_id"), obj.get("tracking_uri")
-                    redacted = bool(obj.get("uri_redacted")) or is_redacted(uri)
-                elif "ack" in obj:
-                    acked.update(int(s) for s in obj["ack"])
-                elif "refused" in obj:
-                    refused += len(obj["refused"])
-                else:
-                    seq = int(obj["seq"])
-                    points = [(str(k), float(v), int(ts), int(st)) for k, v, ts, st in obj.get("m", [])]
-                    tags = {str(k): str(v) for k, v in obj.get("t", {}).items()}
-                    batches[seq] = Batch(seq, points, tags)
-                    max_seq = max(max_seq, seq)
-            except (ValueError, TypeError, KeyError, AttributeError):
-                corrupt += 1
-    pending = [b for s, b in sorted(batches.items()) if s not in acked]
-    return JournalContents(run_id, uri, pending, corrupt, max_seq, refused, redacted)
+    """Every unacknowledged batch of the journal that `path` (any of its segments) belongs to, in order.
+    For tests and small journals: it holds them all in memory (the writer and sync stream them)."""
+    folder, stem, _ = split_name(Path(path))
+    scan = scan_journal(folder, stem)
+    if scan.unreadable and not scan.segments:
+        raise OSError(scan.unreadable[0][1])
+    pending, corrupt = [], scan.corrupt_lines
+    for b in iter_pending(scan):
+        if b is None:
+            corrupt += 1
+        else:
+            pending.append(b)
+    return JournalContents(scan.run_id, scan.tracking_uri, pending, corrupt, scan.max_seq, scan.refused,
+                           scan.uri_redacted)
 
 
 class Journal:
-    """Appends batches and acks for one run; safe to call from several threads."""
+    """The journal one writer owns: its lock, its scanned segments and the segment being appended.
+    Safe to call from several threads. `replay` holds the undelivered batches found at opening."""
 
-    def __init__(self, path: Path, run_id: str, tracking_uri: str):
-        self.path = path
+    def __init__(self, folder: Path, stem: str, lock: JournalLock, run_id: str, tracking_uri: str, *,
+                 segment_bytes: int = SEGMENT_BYTES):
+        self.folder, self.stem = folder, stem
+        self.path = segment_path(folder, stem, 0)  # what `rldiag sync` is told: it reads every segment
+        self.run_id = run_id
+        self.segment_bytes = segment_bytes
+        self._uri = tracking_uri
         self._lock = threading.Lock()
-        if not path.parent.is_dir():
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the last folder 0700, as umask allows
+        self._locks = {stem: lock}  # our own stem and the stems taken over from dead writers
+        self._segments: list[Segment] = []  # every segment not deleted yet
+        self.replay: list[JournalScan] = []
+        self._cur: Segment | None = None
+        self._fd = -1
+        self._cur_bytes = 0
+        self._closed = False
+        self.unreadable: list[tuple[Path, str]] = []
+        self.corrupt_lines = 0  # lines of the scanned segments that do not parse
+        scan = self._adopt(stem)
+        self.stored_uri, self.uri_redacted = scan.tracking_uri, scan.uri_redacted  # what the header says
+        self.next_seq = scan.max_seq + 1
+        numbers = [s.segment.number for s in scan.segments]
+        self._next_number = max(numbers) + 1 if numbers else 0
+
+    # ---- opening ---------------------------------------------------------------------------------
+    @classmethod
+    def for_run(cls, spill_dir: str | os.PathLike, run_id: str, tracking_uri: str, *,
+                segment_bytes: int = SEGMENT_BYTES) -> Journal:
+        """The first journal of `run_id` no live process holds (one line names the holder of any taken
+        before it); the run's other free journals are taken over too (`replay`)."""
+        folder = Path(spill_dir)
+        if not folder.is_dir():
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # the last folder 0700, as umask allows
+        held = []
+        for k in range(1, MAX_WRITERS + 1):
+            stem = run_id if k == 1 else f"{run_id}-{k}"
+            lock = try_lock(lock_path(folder, stem))
+            if lock is None:
+                held.append((stem, holder(lock_path(folder, stem))))
+                continue
+            j = None
+            try:
+                j = cls(folder, stem, lock, run_id, tracking_uri, segment_bytes=segment_bytes)
+                for other in _other_stems(folder, run_id, stem):
+                    j._take_over(other)
+            except BaseException:
+                for lk in (list(j._locks.values()) if j is not None else [lock]):
+                    lk.release(delete=False)
+                raise
+            if held:
+                log.warning("rldiag: journal %s of run %s is held by a live writer (%s): this writer of the same "
+                            "run journals to %s, numbered apart", segment_path(folder, held[-1][0], 0), run_id,
+                            held[-1][1], j.path)
+            return j
+        raise JournalBusy(segment_path(folder, run_id, 0), f"{MAX_WRITERS} live writers of run {run_id}")
+
+    @classmethod
+    def for_file(cls, path: str | os.PathLike, tracking_uri: str = "", *,
+                 segment_bytes: int = SEGMENT_BYTES) -> Journal:
+        """The journal that `path` (any of its segments) belongs to; `JournalBusy` if a live process
+        holds it."""
+        folder, stem, _ = split_name(Path(path))
+        lk = lock_path(folder, stem)
+        lock = try_lock(lk)
+        if lock is None:
+            raise JournalBusy(Path(path), holder(lk))
+        try:
+            return cls(folder, stem, lock, "", tracking_uri, segment_bytes=segment_bytes)
+        except BaseException:
+            lock.release(delete=False)
+            raise
+
+    def _adopt(self, stem: str) -> JournalScan:
+        scan = scan_journal(self.folder, stem)
+        self.unreadable += scan.unreadable
+        self.corrupt_lines += scan.corrupt_lines
+        for s in scan.segments:
+            if s.segment.open_batches == 0:  # fully delivered by an earlier owner
+                _unlink(s.segment.path)
+            else:
+                self._segments.append(s.segment)
+        if scan.pending_batches:
+            self.replay.append(scan)
+        if not self.run_id and scan.run_id:
+            self.run_id = scan.run_id
+        return scan
+
+    def _take_over(self, stem: str) -> None:
+        lock = try_lock(lock_path(self.folder, stem))
+        if lock is None:
+            return  # a live writer's: it delivers it
+        self._locks[stem] = lock
+        scan = self._adopt(stem)
+        if scan.pending_batches:
+            log.warning("rldiag: taking over journal %s of run %s (its writer has ended): delivering its %d "
+                        "undelivered batches", segment_path(self.folder, stem, 0), self.run_id, scan.pending_batches)
+        self._release_if_empty(stem)
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def append(self, batch: Batch) -> int:
+        """Write `batch` into the current segment (a new one past `segment_bytes`); sets `batch.home`
+        and returns where its line starts."""
+        obj: dict = {"seq": batch.seq, "n": batch.size, "m": batch.metrics}
+        if batch.tags:
+            obj["t"] = batch.tags
+        line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            self._check_open()
+            if self._cur is None or (self._cur.batches and self._cur_bytes + len(line) > self.segment_bytes):
+                self._rotate()
+            at = self._cur_bytes
+            self._write_current(line)
+            self._cur.batches += 1
+            self._cur.open_batches += 1
+            batch.home = self._cur
+            return at
+
+    def ack(self, batches: list[Batch]) -> None:
+        """Record delivery, in each batch's own segment; delete segments left with nothing to deliver."""
+        by_home: dict[Segment, list[int]] = {}
+        for b in batches:
+            if b.home is not None:
+                by_home.setdefault(b.home, []).append(b.seq)
+        with self._lock:
+            self._check_open()
+            for seg, seqs in by_home.items():
+                self._write_to(seg, {"ack": seqs})
+                seg.open_batches -= len(seqs)
+                if seg.open_batches <= 0 and seg is not self._cur:
+                    self._drop(seg)
+
+    def refuse(self, entries: list[tuple[tuple, str]], home: Segment | None) -> None:
+        """Record entries the store refused for good, each with the store's reason."""
+        with self._lock:
+            self._check_open()
+            seg = home if home is not None and home in self._segments else self._cur
+            if seg is not None:
+                self._write_to(seg, {"refused": [[list(e), why] for e, why in entries]})
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"journal {self.path} is closed")
+
+    def _rotate(self) -> None:
+        old = self._cur
+        if old is not None:
+            os.close(self._fd)
+            self._fd = -1
+            self._cur = None
+            if old.open_batches <= 0:
+                self._drop(old)
+        path = segment_path(self.folder, self.stem, self._next_number)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077 and st.st_uid == os.getuid():
-                os.fchmod(fd, 0o600)  # an older journal, written before journals were private
-            fresh = st.st_size == 0
-            self._f = os.fdopen(fd, "a", encoding="utf-8")
+                os.fchmod(fd, 0o600)
+            seg = Segment(path, self._next_number, self.stem)
+            self._fd, self._cur, self._cur_bytes = fd, seg, st.st_size
+            shown = redact_uri(self._uri or "")
+            header: dict = {"rldiag_journal": JOURNAL_VERSION, "run_id": self.run_id, "tracking_uri": shown,
+                            "segment": seg.number}
+            if shown != (self._uri or ""):
+                header["uri_redacted"] = True
+            self._write_current((json.dumps(header, separators=(",", ":")) + "\n").encode())
+            self._next_number += 1
+            self._segments.append(seg)
         except BaseException:
+            if self._fd == fd:
+                self._fd, self._cur = -1, None
             os.close(fd)
             raise
-        if fresh:
-            shown = redact_uri(tracking_uri or "")
-            header: dict = {"rldiag_journal": JOURNAL_VERSION, "run_id": run_id, "tracking_uri": shown}
-            if shown != (tracking_uri or ""):
-                header["uri_redacted"] = True
-            self._write(header)
 
-    def _write(self, obj: dict) -> None:
-        line = json.dumps(obj, separators=(",", ":")) + "\n"
-        with self._lock:
-            self._f.write(line)
-            self._f.flush()  # into the OS: survives a SIGKILL of this process
+    def _write_current(self, data: bytes) -> None:
+        _write_all(self._fd, data)  # one write straight into the OS: survives a SIGKILL of this process
+        self._cur_bytes += len(data)
 
-    def append(self, batch: Batch) -> None:
-        obj: dict = {"seq": batch.seq, "m": batch.metrics}
-        if batch.tags:
-            obj["t"] = batch.tags
-        self._write(obj)
-
-    def ack(self, seqs: list[int]) -> None:
-        self._write({"ack": seqs})
-
-    def refuse(self, entries: list[tuple[tuple, str]]) -> None:
-        """Record entries the store refused for good, each with the store's reason."""
-        self._write({"refused": [[list(e), why] for e, why in entries]})
-
-    def abandon(self) -> None:
-        """In a forked child: let go of the parent's journal without writing to it. The file's
-        descriptor is pointed at /dev/null, so that whatever the copied buffer holds (a fork in the
-        middle of a write) never lands in the parent's file; the lock is not taken (another thread
-        of the parent may have held it at the fork)."""
-        try:
-            fd = self._f.fileno()
-        except ValueError:  # already closed
+    def _write_to(self, seg: Segment, obj: dict) -> None:
+        line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+        if seg is self._cur:
+            self._write_current(line)
             return
-        null = os.open(os.devnull, os.O_WRONLY)
+        fd = os.open(seg.path, os.O_RDWR | os.O_APPEND)
         try:
-            os.dup2(null, fd, inheritable=False)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line  # the segment ends in a torn line (its writer was killed mid-write)
+            _write_all(fd, line)
         finally:
-            os.close(null)
+            os.close(fd)
+
+    def _drop(self, seg: Segment) -> None:
+        _unlink(seg.path)
+        if seg in self._segments:
+            self._segments.remove(seg)
+        if seg.stem != self.stem:
+            self._release_if_empty(seg.stem)
+
+    def _release_if_empty(self, stem: str) -> None:
+        if stem != self.stem and not any(s.stem == stem for s in self._segments):
+            lock = self._locks.pop(stem, None)
+            if lock is not None:
+                lock.release()
+
+    # ---- the end -----------------------------------------------------------------------------------
+    @property
+    def segments(self) -> list[Segment]:
+        with self._lock:
+            return list(self._segments)
 
     def close(self, *, delete: bool) -> None:
+        """Release the journal; with `delete` (everything delivered) remove every segment of it."""
         with self._lock:
-            self._f.close()
-        if delete:
-            self.path.unlink(missing_ok=True)
+            if self._closed:
+                return
+            self._closed = True
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            self._cur = None
+            for seg in list(self._segments):
+                if delete or seg.open_batches <= 0:
+                    _unlink(seg.path)
+                    self._segments.remove(seg)
+            for lock in self._locks.values():
+                lock.release()
+            self._locks.clear()
+
+    def abandon(self) -> None:
+        """In a forked child: let go of the parent's journal without writing to it or unlocking it."""
+        self._closed = True
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+        for lock in self._locks.values():
+            lock.abandon()
+        self._locks = {}
+
+
+def _other_stems(folder: Path, run_id: str, own: str) -> list[str]:
+    """Stems of further writers of `run_id` (`<run_id>`, `<run_id>-K`) with segments in `folder`."""
+    pat = re.compile(re.escape(run_id) + r"(-\d+)?(?:\.\d+)?\.jsonl")
+    stems = set()
+    for n in os.listdir(folder):
+        m = pat.fullmatch(n)
+        if m:
+            stems.add(run_id + (m.group(1) or ""))
+    stems.discard(own)
+    return sorted(s for s in stems if segment_files(folder, s))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

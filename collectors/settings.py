@@ -34,12 +34,21 @@ class EnvVar:
         except (TypeError, ValueError):
             raise ValueError(f"{self.name}={raw!r} is not a number; set it to seconds, e.g. {self.default}") from None
 
+    def get_int(self) -> int:
+        raw = self.get()
+        try:
+            return int(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.name}={raw!r} is not a whole number; e.g. {self.default}") from None
+
 
 MLFLOW_TRACKING_URI = EnvVar("MLFLOW_TRACKING_URI", None, "Tracking store; unset means sqlite:///mlruns.db here.")
 RLDIAG_SPILL_DIR = EnvVar("RLDIAG_SPILL_DIR", ".rldiag/spill", "Where the writer journals batches before sending.")
 RLDIAG_WEBHOOK_URL = EnvVar("RLDIAG_WEBHOOK_URL", None, "Webhook for non-finite gradient alerts (never logged).")
 RLDIAG_ALERTS_JSONL = EnvVar("RLDIAG_ALERTS_JSONL", None, "JSONL file that receives every alert event.")
 RLDIAG_CLOSE_TIMEOUT = EnvVar("RLDIAG_CLOSE_TIMEOUT", "30", "Seconds close() waits for the store.")
+RLDIAG_BACKLOG_POINTS = EnvVar("RLDIAG_BACKLOG_POINTS", "200000", "Points the writer's outage backlog keeps in "
+                               "memory (about 140 bytes each); the rest waits in the journal on disk.")
 RLDIAG_SIGNALS = EnvVar("RLDIAG_SIGNALS", "1", "On SIGTERM/SIGINT, drain and end open runs as KILLED, then go on "
                         "with the process's own handling (0: leave the signal handlers alone).")
 # MLflow's own credential variables: what a tracking URI without userinfo authenticates with.

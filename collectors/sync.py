@@ -7,7 +7,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from rldiag.collectors.journal import JournalContents, read_journal
+from rldiag.collectors.journal import Journal, JournalBusy
+from rldiag.collectors.journal_read import segment_files, split_name
 from rldiag.collectors.settings import MLFLOW_CREDENTIAL_VARS, MLFLOW_TRACKING_URI, default_tracking_uri
 from rldiag.collectors.uri import redact_uri, same_store, strip_secrets
 from rldiag.collectors.writer import MetricWriter, SendFn, WriterStats
@@ -15,21 +16,25 @@ from rldiag.collectors.writer import MetricWriter, SendFn, WriterStats
 log = logging.getLogger("rldiag.sync")
 
 
+__all__ = ["JournalBusy", "JournalError", "journal_tracking_uri", "sync_journal"]
+
+
 class JournalError(ValueError):
     """The file is not an rldiag journal, or it names no run."""
 
 
-def journal_tracking_uri(contents: JournalContents, tracking_uri: str | None = None) -> tuple[str, str | None]:
+def journal_tracking_uri(contents, tracking_uri: str | None = None) -> tuple[str, str | None]:
     """The store to replay into, and a one-line note when its credentials could not be found.
 
-    `tracking_uri` (`--tracking-uri`) wins; else the journal's own URI. Journals keep that URI without
+    `contents` is what a journal's header says (`.tracking_uri`, `.uri_redacted`: a `JournalContents`
+    or an opened `Journal`'s `stored_uri`). `tracking_uri` (`--tracking-uri`) wins; else the journal's own URI. Journals keep that URI without
     its credentials: then it is `MLFLOW_TRACKING_URI` when that names the same store; else the URI
     without the hidden parts, which works for a store that needs no credentials or gets them from
     MLflow's own variables (MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN); the note says which.
     """
     if tracking_uri:
         return tracking_uri, None
-    stored = contents.tracking_uri
+    stored = getattr(contents, "stored_uri", None) or getattr(contents, "tracking_uri", None)
     if not stored:
         return default_tracking_uri(), None
     if not contents.uri_redacted:
@@ -57,22 +62,32 @@ def sync_journal(path: str | Path, *, tracking_uri: str | None = None, send: Sen
     and never hold up the rest. The file is removed once everything in it is delivered or set aside,
     and kept (with acks for what was delivered) otherwise. A note about the store (credentials not
     found) goes to `on_note` before anything is sent, or is logged as a warning without it.
+
+    `path` is any segment of a journal (`<stem>.jsonl`, `<stem>.K.jsonl`; `<stem>.jsonl` also once that
+    segment is delivered and gone): all its segments are read, streamed, never all in memory. A journal
+    that a live writer (or another sync) holds raises `JournalBusy`, naming it, and is left untouched.
     """
     path = Path(path)
-    if not path.is_file():
+    folder, stem, _ = split_name(path)
+    if path.is_dir() or not segment_files(folder, stem):
         raise JournalError(f"{path} does not exist; journals live in .rldiag/spill/<run_id>.jsonl by default")
-    contents = read_journal(path)
-    if contents.run_id is None:
-        raise JournalError(f"{path} has no rldiag journal header (first line); is it a writer journal?")
-    uri, note = journal_tracking_uri(contents, tracking_uri)
-    if note is not None and send is None:
-        if on_note is not None:
-            on_note(note)
-        else:
-            log.warning("rldiag sync %s: %s", path, note)
-    if send is None:
-        from rldiag.collectors.mlflow_store import make_sender
+    journal = Journal.for_file(path)
+    try:
+        if not journal.run_id:
+            raise JournalError(f"{path} has no rldiag journal header (first line); is it a writer journal?")
+        uri, note = journal_tracking_uri(journal, tracking_uri)
+        if note is not None and send is None:
+            if on_note is not None:
+                on_note(note)
+            else:
+                log.warning("rldiag sync %s: %s", path, note)
+        if send is None:
+            from rldiag.collectors.mlflow_store import make_sender
 
-        send = make_sender(uri)
-    writer = MetricWriter(contents.run_id, send, tracking_uri=uri, journal_file=path, close_timeout_s=timeout_s)
-    return writer.close(), contents.corrupt_lines
+            send = make_sender(uri)
+        writer = MetricWriter(journal.run_id, send, tracking_uri=uri, journal=journal, close_timeout_s=timeout_s)
+    except BaseException:
+        journal.close(delete=False)
+        raise
+    stats = writer.close()
+    return stats, journal.corrupt_lines

@@ -43,13 +43,15 @@ import queue
 import threading
 import time
 import weakref
+from array import array
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rldiag.collectors import keys
-from rldiag.collectors.journal import Batch, Journal, Point, journal_path, read_journal
+from rldiag.collectors.journal import Batch, Journal, JournalBusy, Point, Segment
+from rldiag.collectors.journal_read import read_batch
 from rldiag.collectors.limits import (
     ENVELOPE_JSON,
     MAX_BATCH,
@@ -68,6 +70,7 @@ from rldiag.collectors.limits import (
     json_len,
     key_problem,
 )
+from rldiag.collectors.settings import RLDIAG_BACKLOG_POINTS
 from rldiag.collectors.uri import redact_text
 
 log = logging.getLogger("rldiag.writer")
@@ -89,6 +92,8 @@ class WriterStats:
     after_close: int = 0  # points and tags logged after close(): warned about once, not written
     send_failures: int = 0  # store calls that failed and were retried
     journal_errors: int = 0
+    lost: int = 0  # points in journal lines that could not be read back (damaged, or the file removed)
+    spilled: int = 0  # points that waited in the journal, not in memory (the backlog past the RAM cap)
     last_error: str | None = None
     last_refusal: str | None = None  # the latest refused entry and the store's reason
 
@@ -106,11 +111,33 @@ class _Flush:
 _STOP = object()
 
 
+@dataclass(eq=False)
+class _OnDisk:
+    """Consecutive batches of one journal segment that wait there, not in memory: the outage backlog
+    past the RAM cap, or an earlier journal's undelivered batches. The sender reads them back."""
+
+    segment: Segment
+    replayed: bool
+    offsets: array = field(default_factory=lambda: array("q"))  # where each batch's line starts
+    sizes: array = field(default_factory=lambda: array("q"))  # its entries (points + tags)
+    size: int = 0
+    remaining: int = 0  # entries not yet taken into a group for sending
+
+    def add(self, offset: int, size: int) -> None:
+        self.offsets.append(offset)
+        self.sizes.append(size)
+        self.size += size
+        self.remaining += size
+
+
 class MetricWriter:
     """Background MLflow writer for one run. Thread-safe; `close()` (or interpreter exit) drains it.
 
-    The journal is `journal_file` if given, else `<spill_dir>/<run_id>.jsonl`; `spill_dir=None` and no
-    `journal_file` keeps none. An existing journal is replayed before anything new is sent.
+    The journal is `journal` (an opened `Journal`) or the one `journal_file` belongs to if given
+    (`JournalBusy` when a live process holds it), else the run's first free journal in `spill_dir`
+    (`Journal.for_run`); `spill_dir=None` and no journal keeps none. An existing journal's undelivered
+    batches are sent before anything new. At most `backlog_points` entries wait in memory (default
+    RLDIAG_BACKLOG_POINTS); past that the backlog waits in the journal and is read back from there.
     """
 
     def __init__(
@@ -126,14 +153,23 @@ class MetricWriter:
         send_interval_s: float = 1.0,
         backoff_s: tuple[float, float] = (0.25, 15.0),
         close_timeout_s: float = 30.0,
+        journal: Journal | None = None,
+        backlog_points: int | None = None,
+        segment_bytes: int | None = None,
     ):
         if linger_s < 0:
             raise ValueError(f"linger_s={linger_s}: use 0 or more seconds (how often queued points are taken)")
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch={max_batch} is outside 1..{MAX_BATCH} (MLflow's limit of metrics, "
                              "params and tags in one call)")
+        cap = RLDIAG_BACKLOG_POINTS.get_int() if backlog_points is None else backlog_points
+        if cap < 0:
+            raise ValueError(f"backlog_points={cap}: use 0 or more (points the outage backlog keeps in memory)")
         self.run_id = run_id
         self.stats = WriterStats()
+        self._ram_cap = cap
+        self._ram_points = 0  # entries of the batches waiting in memory (not those in the journal only)
+        self._src: _OnDisk | None = None  # the journal run the sender is reading back
         self._send = send
         self._max_batch = max_batch
         self._linger = linger_s
@@ -163,14 +199,19 @@ class MetricWriter:
         self._inflight_done = 0  # entries of the in-flight group already delivered or set aside
         self._delay = backoff_s[0]
         self.journal: Journal | None = None
-        if spill_dir is not None or journal_file is not None:
-            path = Path(journal_file) if journal_file is not None else journal_path(spill_dir, run_id)
-            if path.exists():
-                self._recover(path)
+        self._journal_ok = True  # False once an append failed: later batches live in memory only
+        seg = {} if segment_bytes is None else {"segment_bytes": segment_bytes}
+        if journal is not None:
+            self.journal = journal
+        elif journal_file is not None:
+            self.journal = Journal.for_file(journal_file, tracking_uri, **seg)  # JournalBusy: the caller's
+        elif spill_dir is not None:
             try:
-                self.journal = Journal(path, run_id, tracking_uri)
-            except OSError as e:
+                self.journal = Journal.for_run(spill_dir, run_id, tracking_uri, **seg)
+            except (OSError, JournalBusy) as e:
                 self._journal_failed(e)
+        if self.journal is not None:
+            self._recover(self.journal)
         self._threads = [
             threading.Thread(target=self._ingest_loop, name=f"rldiag-ingest-{run_id[:8]}", daemon=True),
             threading.Thread(target=self._send_loop, name=f"rldiag-send-{run_id[:8]}", daemon=True),
@@ -251,6 +292,8 @@ class MetricWriter:
         with self._cv:
             self._cv.notify_all()
             left = sum(b.size for b in [*self._pending, *self._inflight] if isinstance(b, Batch))
+            left += sum(b.remaining for b in self._pending if isinstance(b, _OnDisk))
+            left += self._src.remaining if self._src is not None else 0
             left -= self._inflight_done if self._inflight else 0
         queued = self._drain_queue()  # points the ingest thread never reached (it was stuck): not journaled
         if not self._ingest_done.is_set():
@@ -263,6 +306,9 @@ class MetricWriter:
                 m.event.set()
         if self.journal is not None:
             self.journal.close(delete=self.stats.undelivered == 0 and self.stats.journal_errors == 0)
+            if self.stats.lost:
+                log.error("rldiag: %d metric points of run %s were in journal lines that could not be read back",
+                          self.stats.lost, self.run_id)
         if self.stats.undelivered:
             where = (
                 f"They are saved in {self.journal.path}; replay them with: rldiag sync {self.journal.path}"
@@ -418,22 +464,41 @@ class MetricWriter:
             return
         batch = Batch(self._seq, list(points), dict(tags))
         self._seq += 1
-        if self.journal is not None:
+        offset = None
+        if self.journal is not None and self._journal_ok:
             try:
-                self.journal.append(batch)
+                offset = self.journal.append(batch)
             except (OSError, ValueError) as e:
                 self._journal_failed(e)
-        self._push(batch)
+        self._push(batch, offset)
 
-    def _push(self, item: Batch | _Flush) -> None:
+    def _push(self, item: Batch | _Flush, offset: int | None = None) -> None:
+        """Queue for the sender. A journaled batch that would take the memory backlog past its cap
+        waits in the journal instead (only its offset is kept)."""
         with self._cv:
             if isinstance(item, _Flush):
                 self._flushes_waiting += 1
+                self._pending.append(item)
             else:
                 item.created = time.monotonic()
                 self._pending_points += item.size
-            self._pending.append(item)
+                if offset is not None and item.home is not None and self._ram_points + item.size > self._ram_cap:
+                    tail = self._pending[-1] if self._pending else None
+                    if not (isinstance(tail, _OnDisk) and tail.segment is item.home):
+                        tail = _OnDisk(item.home, replayed=False)
+                        self._pending.append(tail)
+                    tail.add(offset, item.size)
+                    self.stats.spilled += item.size
+                    spill = True
+                else:
+                    self._ram_points += item.size
+                    self._pending.append(item)
+                    spill = False
             self._cv.notify_all()
+        if not isinstance(item, _Flush) and spill:
+            self._warn_once("spill", "rldiag: the backlog of run %s passed %d points in memory "
+                            "(RLDIAG_BACKLOG_POINTS); the rest waits in the journal %s and is read back from "
+                            "there when the store takes it", self.run_id, self._ram_cap, self.journal.path)
 
     def _wait_s(self) -> float | None:
         """Under the lock: None when there is nothing to send, 0 when the sender should send now, else
@@ -443,14 +508,16 @@ class MetricWriter:
         if self._closing.is_set() or self._flushes_waiting or self._pending_points >= self._max_batch:
             return 0.0
         first = self._pending[0]
+        if isinstance(first, _OnDisk):
+            return 0.0  # a backlog: send it now
         age = time.monotonic() - first.created if isinstance(first, Batch) else self._send_interval
         return max(0.0, self._send_interval - age)
 
-    def _journal_failed(self, e: OSError) -> None:
+    def _journal_failed(self, e: Exception) -> None:
         self.stats.journal_errors += 1
         self._warn_once("journal", "rldiag: cannot write the local journal (%s): metrics are still sent, but what "
                         "the store does not take before exit will be lost. Free disk space or set spill_dir.", e)
-        self.journal = None
+        self._journal_ok = False  # what it already holds is still read back and acknowledged
 
     # ---- sender thread ---------------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -466,15 +533,68 @@ class MetricWriter:
                 group = self._take_group()
                 if isinstance(group, _Flush):
                     self._flushes_waiting -= 1
+                elif isinstance(group, _OnDisk):
+                    self._src = group
+                    self._pending_points -= group.size
                 else:
                     self._inflight, self._inflight_done = group, 0
                     self._pending_points -= sum(b.size for b in group)
+                    self._ram_points -= sum(b.size for b in group)
             if isinstance(group, _Flush):
                 group.ok = True
                 group.event.set()
                 continue
-            if not self._deliver(group):
+            ok = self._deliver_from_disk(group) if isinstance(group, _OnDisk) else self._deliver(group)
+            if not ok:
                 return  # close() gave up waiting; it counts what is left of the group as undelivered
+
+    def _deliver_from_disk(self, src: _OnDisk) -> bool:
+        """Read a journal run back batch by batch and deliver it in groups, as if it had been in memory."""
+        try:
+            f = open(src.segment.path, "rb")  # noqa: SIM115 - closed by the with below
+        except OSError as e:
+            self._lose(src.remaining, f"cannot read {src.segment.path} back ({e})")
+            with self._cv:
+                src.remaining, self._src = 0, None
+            return True
+        with f:
+            i, carry = 0, None
+            while carry is not None or i < len(src.offsets):
+                group: list[Batch] = []
+                n = ntags = 0
+                while True:
+                    if carry is None:
+                        if i >= len(src.offsets):
+                            break
+                        carry, size = read_batch(f, src.offsets[i]), src.sizes[i]
+                        i += 1
+                        if carry is None:
+                            self._lose(size, f"a damaged line in {src.segment.path}")
+                            with self._cv:
+                                src.remaining -= size
+                            continue
+                        carry.home, carry.replayed = src.segment, src.replayed
+                    if group and (n + carry.size > self._max_batch or ntags + len(carry.tags) > MAX_TAGS):
+                        break
+                    group.append(carry)
+                    n += carry.size
+                    ntags += len(carry.tags)
+                    carry = None
+                if not group:
+                    continue
+                with self._cv:
+                    src.remaining -= n
+                    self._inflight, self._inflight_done = group, 0
+                if not self._deliver(group):
+                    return False
+        with self._cv:
+            self._src = None
+        return True
+
+    def _lose(self, n: int, why: str) -> None:
+        self.stats.lost += n
+        self._warn_once("lost", "rldiag: %d points of run %s could not be read back from the journal: %s (later "
+                        "losses are only counted, in stats.lost)", n, self.run_id, why)
 
     def _deliver(self, group: list[Batch]) -> bool:
         """Send a group in calls within MLflow's limits; retry what may pass, set aside what is refused
@@ -537,8 +657,8 @@ class MetricWriter:
         if self.journal is not None:
             try:
                 if refused:
-                    self.journal.refuse(refused)
-                self.journal.ack([b.seq for b in group])
+                    self.journal.refuse(refused, group[0].home)
+                self.journal.ack(group)
             except ValueError:
                 # close() gave up waiting and closed the journal while this batch was in flight:
                 # it stays there unacknowledged, so a replay sends it again and the SQL stores
@@ -610,9 +730,9 @@ class MetricWriter:
             chunks.append(cur)
         return chunks
 
-    def _take_group(self) -> list[Batch] | _Flush:
+    def _take_group(self) -> list[Batch] | _Flush | _OnDisk:
         first = self._pending.popleft()
-        if isinstance(first, _Flush):
+        if isinstance(first, (_Flush, _OnDisk)):
             return first
         group, n, ntags = [first], first.size, len(first.tags)
         while self._pending and isinstance(self._pending[0], Batch):
@@ -626,22 +746,26 @@ class MetricWriter:
         return group
 
     # ---- recovery --------------------------------------------------------------------------------
-    def _recover(self, path: Path) -> None:
-        """Queue an earlier journal's unacknowledged batches ahead of everything new."""
-        try:
-            contents = read_journal(path)
-        except OSError as e:
-            self._warn_once("recover", "rldiag: cannot read journal %s (%s); replay it later with rldiag sync", path, e)
-            return
-        if contents.corrupt_lines:
-            log.warning("rldiag: skipped %d damaged lines in %s", contents.corrupt_lines, path)
-        self._seq = contents.max_seq + 1
-        for b in contents.pending:
-            b.replayed = True  # created = 0: sent at once
-            self._pending.append(b)
-            self._pending_points += b.size
-        if contents.pending:
-            log.info("rldiag: replaying %d batches of run %s from %s", len(contents.pending), self.run_id, path)
+    def _recover(self, journal: Journal) -> None:
+        """Queue the journal's undelivered batches (read back from disk) ahead of everything new."""
+        for path, why in journal.unreadable:
+            self._warn_once("recover", "rldiag: cannot read journal %s (%s); replay it later with rldiag sync", path, why)
+        if journal.corrupt_lines:
+            log.warning("rldiag: skipped %d damaged lines in %s", journal.corrupt_lines, journal.path)
+        self._seq = journal.next_seq
+        n = 0
+        for scan in journal.replay:
+            for s in scan.segments:
+                if not s.pending:
+                    continue
+                src = _OnDisk(s.segment, replayed=True)
+                for p in s.pending:
+                    src.add(p.offset, p.size)
+                self._pending.append(src)
+                self._pending_points += src.size
+                n += len(s.pending)
+        if n:
+            log.info("rldiag: replaying %d batches of run %s from %s", n, self.run_id, journal.path)
 
     def _warn_once(self, what: str, msg: str, *args) -> None:
         if what not in self._warned:
@@ -663,10 +787,7 @@ class MetricWriter:
         """In a forked child: this writer's threads are the parent's and its journal is the parent's."""
         self._closed = True  # (no Event.set() here: a parent thread may have held its lock at the fork)
         if self.journal is not None:
-            try:
-                self.journal.abandon()
-            except OSError:
-                pass
+            self.journal.abandon()
             self.journal = None
 
 

@@ -10,22 +10,50 @@ from rldiag.app.cli.options import CliError, add_tracking_option
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Deliver the batches of an rldiag journal that the store never acknowledged. "
                      "Safe to run twice: SQL stores keep identical points once.")
-    p.add_argument("files", nargs="+", metavar="FILE", help="journal files, e.g. .rldiag/spill/<run_id>.jsonl")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="journal files, e.g. .rldiag/spill/<run_id>.jsonl (a journal's segments <run_id>.K.jsonl are "
+                        "read with it), or a spill folder for every journal in it")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to keep trying per file (default: 120)")
     add_tracking_option(p)
 
 
+def _journals(files: list[str]) -> list[str]:
+    """Each journal once: several segments of one journal name it once; a folder names each journal in it."""
+    from pathlib import Path
+
+    from rldiag.collectors.journal_read import journal_stems, segment_path, split_name
+
+    out: list[str] = []
+    seen: set[tuple[Path, str]] = set()
+    for f in files:
+        p = Path(f)
+        named = [(p, stem, str(segment_path(p, stem, 0))) for stem in journal_stems(p)] if p.is_dir() else \
+            [(*split_name(p)[:2], f)]
+        for folder, stem, shown in named:
+            if (folder.resolve(), stem) not in seen:
+                seen.add((folder.resolve(), stem))
+                out.append(shown)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from rldiag.collectors.sync import JournalError, sync_journal
+    from rldiag.collectors.sync import JournalBusy, JournalError, sync_journal
 
     status = 0
-    for f in args.files:
+    for f in _journals(args.files):
         try:
             stats, corrupt = sync_journal(f, tracking_uri=args.tracking_uri, timeout_s=args.timeout,
                                           on_note=lambda note, f=f: print(f"{f}: {note}", flush=True))
+        except JournalBusy as e:
+            # Its live writer delivers it: not a failure; never replayed or removed from here.
+            print(f"{f}: skipped: held by a live writer ({e.holder}), which delivers it; run sync again after "
+                  "that process has ended", flush=True)
+            continue
         except JournalError as e:
             raise CliError(str(e)) from None
         note = f", {corrupt} damaged lines skipped" if corrupt else ""
+        if stats.lost:
+            note += f", {stats.lost} points in lines that could not be read back"
         if stats.undelivered:
             status = 1
             print(f"{f}: delivered {stats.delivered} points, {stats.undelivered} still undelivered "
