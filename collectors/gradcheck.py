@@ -34,7 +34,6 @@ from rldiag.collectors.compat.torch import (
     fsdp1_flattened,
     fsdp1_replicas,
     host_dtype,
-    queue_backward_callback,
 )
 
 Tensor = torch.Tensor
@@ -347,99 +346,10 @@ def build_report(named: list[tuple[str, Tensor]] | list[GradEntry], host_norms: 
                       nonfinite_positions=count)
 
 
-class AccumulatedGradCheck:
-    """Per-parameter gradient norms, recorded as gradients accumulate (for loops that clip for you).
+def __getattr__(name: str):
+    # AccumulatedGradCheck lives in collectors/accumulated.py (it imports this module); kept importable here
+    if name == "AccumulatedGradCheck":
+        from rldiag.collectors.accumulated import AccumulatedGradCheck
 
-    A framework that clips before handing back control (transformers' `Trainer`) multiplies every
-    gradient by a NaN coefficient once one is NaN, so afterwards every parameter looks guilty. This
-    registers `Tensor.register_post_accumulate_grad_hook` on each parameter. The first hook of a
-    backward pass queues one callback for that pass's end (the autograd engine's final callbacks),
-    which takes the float32 L2 norm of every gradient in a single `_foreach_norm` and keeps the norms
-    on the device: no host synchronisation, one fused call per backward instead of one op per
-    parameter. A norm is non-finite whenever an element is, and non-finiteness survives accumulation
-    (nan + x = nan, inf + finite = inf, inf - inf = nan), so the norms after the last micro-batch judge
-    the step.
-
-    `collect()` reads every norm, plus any extra scalars, in one host transfer, then resets for the
-    next step. Call `remove()` to take the hooks off.
-    """
-
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]]):
-        self.names: list[str] = []
-        self._params: list[nn.Parameter] = []
-        self._handles = []
-        for name, p in named_params:
-            if p.requires_grad:
-                self.names.append(name)
-                self._params.append(p)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_accumulate))
-        self.reset()
-
-    def _on_accumulate(self, _param: Tensor) -> None:
-        if not self._queued:
-            self._queued = True
-            queue_backward_callback(self._measure)
-
-    def _measure(self) -> None:
-        """End of a backward pass: the norms of every gradient present now."""
-        self._queued = False
-        seen = [i for i, p in enumerate(self._params) if p.grad is not None]
-        grads = [local_view(self._params[i].grad.detach())[0] for i in seen]
-        self._seen, self._norms = seen, foreach_norm_f32(grads) if grads else []
-
-    def nonfinite_flag(self, device: torch.device) -> Tensor:
-        """A one-element tensor on `device`, 1.0 when a recorded norm is non-finite, else 0.0, built on
-        the device without a host sync (for an all-reduce across ranks before `collect`)."""
-        if not self._norms:
-            return torch.zeros(1, device=device)
-        norms = torch.stack([n.to(device) for n in self._norms])
-        return (~torch.isfinite(norms)).any().to(torch.float32).reshape(1)
-
-    def collect(self, *extra: Tensor) -> tuple[GradReport | None, list[float]]:
-        """`(report, host values of extra)` in one transfer; the report is None when no parameter
-        received a gradient since the last call (nothing to judge).
-
-        `report.norm` is the total pre-clip norm. A parameter whose recorded norm is non-finite is named
-        unless its gradient, read now, is all finite (its float32 norm overflowed; this check runs on
-        the failure path only). Each `extra` must hold one element.
-        """
-        seen, norms = self._seen, self._norms
-        if not seen and not extra:
-            self.reset()
-            return None, []
-        device = norms[0].device if seen else extra[0].device
-        dtype = host_dtype(device)
-        parts = []
-        if seen:
-            parts.append(torch.stack([n.to(device) for n in norms]).to(dtype))
-        for x in extra:
-            if x.numel() != 1:
-                raise ValueError(f"extra value has shape {tuple(x.shape)}; pass one-element tensors")
-            parts.append(x.detach().reshape(1).to(device, dtype))
-        host = torch.cat(parts).tolist()
-        self.reset()
-        if not seen:
-            return None, host
-        per, rest = host[: len(seen)], host[len(seen) :]
-        total = sum(v * v for v in per) ** 0.5
-        if all(_isfinite(v) for v in per):
-            return GradReport(norm=total, finite=True), rest
-        suspects = [(self.names[i], self._params[i]) for i, v in zip(seen, per) if not _isfinite(v)]
-        gone = [n for n, p in suspects if p.grad is None]  # cleared already: trust the recorded norm
-        current = [(n, local_view(p.grad)[0]) for n, p in suspects if p.grad is not None]
-        names = set(gone) | set(nonfinite_names(current, [math.inf] * len(current)))
-        ordered = [n for n, _ in suspects if n in names]
-        if not ordered:
-            return GradReport(norm=total, finite=True), rest
-        return GradReport(norm=total, finite=False, nonfinite_params=ordered), rest
-
-    def reset(self) -> None:
-        self._seen: list[int] = []
-        self._norms: list[Tensor] = []
-        self._queued = False  # also re-arms the hooks after a backward pass that raised midway
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.reset()
+        return AccumulatedGradCheck
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -75,3 +75,15 @@ def full_params(model, kind: str) -> dict:
 
     with FullyShardedDataParallel.summon_full_params(model):
         return {n: p.detach().clone().tolist() for n, p in model.named_parameters()}
+
+
+def nan_weight_hook(when):
+    """`nan_bias_hook` for the module's weight (a Linear without bias, e.g. Llama's MLP projections)."""
+
+    def hook(module, _inputs, out):
+        if not when():
+            return out
+        w = module.weight
+        return out + 0.0 * ((w - w.detach()) ** 2).sum().sqrt()
+
+    return hook

@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
+import math
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -43,14 +44,18 @@ from typing import Any
 import torch
 
 from rldiag.collectors import distributed, keys
+from rldiag.collectors.accumulated import AccumulatedGradCheck
 from rldiag.collectors.alerts import NonFiniteGradAlert
-from rldiag.collectors.gradcheck import AccumulatedGradCheck, GradReport, LogitsProbe
+from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_report
+from rldiag.collectors.compat.torch import loss_scale_tensor
+from rldiag.collectors.gradcheck import GradReport, LogitsProbe
 from rldiag.collectors.import_utils import require
+from rldiag.collectors.nan_origin import in_order, nan_origin
 from rldiag.collectors.session import POLICIES, NonFiniteGradientError, RunSession
 
 require("transformers", "hf", purpose="rldiag's transformers/TRL callback")
 
-from transformers import TrainerCallback  # noqa: E402
+from transformers import TrainerCallback
 
 log = logging.getLogger("rldiag")
 
@@ -133,6 +138,7 @@ class RldiagCallback(TrainerCallback):
         self._device: torch.device | None = None
         self._probe = LogitsProbe()
         self._probe_handle = None
+        self._overflows = OverflowCounter()
 
     # ---- wiring --------------------------------------------------------------------------------
     def attach(self, trainer: Any) -> RldiagCallback:
@@ -178,7 +184,7 @@ class RldiagCallback(TrainerCallback):
         if self._check is not None:  # a previous train() that raised without attach()
             self._check.remove()
         if model is not None:
-            self._check = AccumulatedGradCheck(model.named_parameters())
+            self._check = AccumulatedGradCheck(model.named_parameters(), module=model)
             self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
             if self._probe_handle is not None:
                 self._probe_handle.remove()
@@ -189,19 +195,41 @@ class RldiagCallback(TrainerCallback):
         if self._check is None:
             return
         extras = [loss] if loss is not None else []
+        # fp16: accelerate's optimizer holds the GradScaler; the recorded norms are of the scaled gradients
+        scale_t = loss_scale_tensor(getattr(optimizer, "scaler", None))
+        if scale_t is not None:
+            extras.append(scale_t)
         if self._distributed:  # every rank, every step: the collectives must match up
             import torch.distributed as dist
 
-            flag = self._check.nonfinite_flag(self._device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # on the device: read with the norms, one transfer
-            extras.append(flag)
+            # [ranks with a non-finite gradient, the global norm's square as shards + replicated tensors]:
+            # one SUM all-reduce on the device, read with the norms in the one transfer
+            summary = self._check.device_summary(self._device, dist.get_world_size())
+            dist.all_reduce(summary, op=dist.ReduceOp.SUM)
+            extras += list(summary)
+        shared = self._check.sharded_names() if self._distributed else set()  # before collect() resets
         report, extra = self._check.collect(*extras)
+        watched = self._probe.watched()
         if report is not None and not report.finite:  # failure path only: read the probe's flags
             report.positions, report.nonfinite_positions = self._probe.positions(), self._probe.count()
         self._probe.reset()
         step = state.global_step + 1  # the step this update becomes; on_log reports it under the same number
         if self._distributed:
-            report = self._agree(report, any_rank_bad=extra.pop() != 0.0)
+            bad_ranks, shard_sq, rest_sq = extra[-3:]
+            del extra[-3:]
+            if report is not None:
+                report.norm = math.sqrt(shard_sq + rest_sq)  # NaN when any rank's is
+            report = self._agree(report, any_rank_bad=bad_ranks != 0.0, shared=shared)
+        scale = extra.pop() if scale_t is not None else None
+        if report is not None:
+            # the norms were taken at the end of backward, before the Trainer's unscale_: still scaled
+            report = unscale_report(report, scale, scaled=True, loss=extra[0] if extra else None)
+            if report.finite is False and not report.overflow and self.session is not None:
+                report.nonfinite_params = in_order(report.nonfinite_params, self._check.order())
+                report.origin = nan_origin(report.nonfinite_params, loss_value=extra[0] if extra else None,
+                                           positions=[p.as_dict() for p in report.positions], watched=watched,
+                                           how="hooks")
+        in_a_row = self._overflows.update(report) if report is not None else 0
         if self.session is not None:  # rank 0
             values = {keys.LOSS: extra[0]} if extra else {}
             if report is None:
@@ -214,7 +242,14 @@ class RldiagCallback(TrainerCallback):
             self.session.writer.log_metrics(values, step)
         if report is None or report.finite:
             return
+        if report.overflow:  # the scaler skips this step in optimizer.step() and halves its scale
+            if self.session is not None:
+                self.session.alerts.note(ScalerOverflowEvent(self.session.run_id, step, report.scale, in_a_row,
+                                                             run_name=self.session.run_name))
+            return
         if self.session is not None:
+            if report.origin is not None:
+                self.session.alerts.annotate(step, origin=report.origin)
             try:
                 step_anyway = self.session.on_nonfinite(step, report)
             except NonFiniteGradientError:
@@ -225,7 +260,7 @@ class RldiagCallback(TrainerCallback):
             raise NonFiniteGradientError(NonFiniteGradAlert("", step, report.norm, report.nonfinite_params))
         else:
             step_anyway = self._policy == "warn"
-        if not step_anyway:  # policy "skip"
+        if not step_anyway and report.scale is None:  # policy "skip"; under a scaler its step skips it
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
@@ -252,13 +287,14 @@ class RldiagCallback(TrainerCallback):
         if isinstance(logits, torch.Tensor) and logits.requires_grad and logits.dim() >= 2:
             self._probe.watch(logits)
 
-    def _agree(self, report: GradReport | None, *, any_rank_bad: bool) -> GradReport | None:
-        """The step as every rank sees it: on a non-finite step (on any rank), every rank's names."""
+    def _agree(self, report: GradReport | None, *, any_rank_bad: bool, shared: set[str]) -> GradReport | None:
+        """The step as every rank sees it: on a non-finite step (on any rank), every rank's names (a
+        sharded parameter's once, by its FQN; a replicated one's as `rank<r>:name`)."""
         if not any_rank_bad:
             return report
         bad = report is not None and not report.finite
         names, positions, _ = distributed.gather_failure(report.nonfinite_params if bad else [],
-                                                         report.positions if bad else [])
+                                                         report.positions if bad else [], shared=shared)
         if not names:  # every rank's elements are finite: a float32 norm overflowed, not a NaN
             return report
         return GradReport(norm=report.norm if bad else float("nan"), finite=False, nonfinite_params=names,

@@ -191,3 +191,64 @@ def test_bf16_autocast_loop_logs_true_norms_and_catches_a_nan(sqlite_uri):
         assert logged[step] == pytest.approx(norms[step], rel=1e-6)
     assert math.isnan(logged[1])
     assert keys.GRAD_LOSS_SCALE not in client.get_run(mon.run_id).data.metrics  # no scaler: no scale logged
+
+
+# --- fp16 through transformers' Trainer ---------------------------------------------------------------------
+
+
+def test_a_trainer_under_skip_trains_through_a_scaler_overflow_without_a_crash_or_a_nan_alert(sqlite_uri, tmp_path):
+    pytest.importorskip("transformers")
+    from accelerate.state import AcceleratorState
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback
+
+    from rldiag.collectors.integrations.transformers import RldiagCallback
+    from tests.integrations.test_transformers import llama_config, lm_dataset, training_args
+
+    class CpuFp16Trainer(Trainer):
+        """`Trainer(fp16=True)` as accelerate sets it up on a GPU, here on the CPU. accelerate refuses fp16 on the
+        CPU in `Accelerator()` by a device check only (torch 2.13's CPU autocast and GradScaler do fp16), so
+        after that check this sets what the GPU path sets: native AMP, mixed precision fp16 and the GradScaler,
+        before `train()` prepares the model (fp16 autocast forward) and the optimizer (scaler.step + update).
+        The scaler starts at 2**40 and backs off by 2**-30: the first step overflows for real, the next fits."""
+
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            self.accelerator.state._mixed_precision = "fp16"
+            self.accelerator.native_amp = True
+            self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
+
+    class Weights(TrainerCallback):
+        def __init__(self):
+            self.sums = {}
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.sums[state.global_step] = float(sum(p.detach().double().sum() for p in model.parameters()))
+
+    torch.manual_seed(0)
+    try:
+        trainer = CpuFp16Trainer(model=LlamaForCausalLM(llama_config()), train_dataset=lm_dataset(8),
+                                 args=training_args(tmp_path, per_device_train_batch_size=2, max_steps=3))
+        weights = Weights()
+        trainer.add_callback(weights)
+        before = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
+        RldiagCallback(experiment="amp-trainer", run_name="fp16", tracking_uri=sqlite_uri, policy="skip").attach(trainer)
+        trainer.train()  # before: the no-op step skipped scaler.update(), and step 2 raised in unscale_()
+        scaler = trainer.accelerator.scaler
+    finally:
+        AcceleratorState._reset_state(True)  # the fp16 state is this test's only
+    assert scaler.get_scale() == 2.0**10  # 2**40 * 2**-30 after the one overflow; no growth in 3 steps
+    assert weights.sums[1] == before  # the scaler skipped step 1 itself
+    assert weights.sums[2] != weights.sums[1] and weights.sums[3] != weights.sums[2]
+
+    client = mlflow.MlflowClient(sqlite_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("amp-trainer").experiment_id])
+    rid = run.info.run_id
+    assert history(client, rid, keys.GRAD_SCALER_OVERFLOW) == {1: 1.0, 2: 0.0, 3: 0.0}
+    assert history(client, rid, keys.GRAD_LOSS_SCALE) == {1: 2.0**40, 2: 2.0**10, 3: 2.0**10}
+    assert history(client, rid, keys.GRAD_FINITE) == {2: 1.0, 3: 1.0}  # the overflow step is no NaN step
+    assert keys.TAG_ALERT_COUNT not in run.data.tags
+    # the unscaled norm: what the Trainer's own clip (after unscale_) logged as grad_norm
+    ours, trainers = history(client, rid, keys.GRAD_NORM), history(client, rid, "grad_norm")
+    for step in (2, 3):
+        assert ours[step] == pytest.approx(trainers[step], rel=1e-5)
+        assert ours[step] < 100  # not the scaled norm (x 1024)

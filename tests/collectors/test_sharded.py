@@ -189,3 +189,109 @@ def test_shard_split_divides_replicated_shards_and_keeps_plain_tensors_apart():
     shared, rest = shard_split(per, entries, plain_sharded=True).tolist()  # Monitor(grads_sharded=True)
     assert shared == 9 + 16 / 2 + 144 + 1 and rest == 0.0
     assert shard_split(per[:0], []).tolist() == [0.0, 0.0]
+
+
+# --- the transformers callback on an FSDP2 model ----------------------------------------------------------
+# accelerate turns FSDP on only for GPU distributed types (a CPU Trainer with fsdp=... trains under DDP), so a
+# Trainer cannot shard on this machine: the worker calls the real callback's hooks in the order Trainer does
+# (on_train_begin; per step forward, backward, clip, on_pre_optimizer_step, optimizer.step, on_optimizer_step;
+# on_train_end) around a real fully_shard'ed Llama and real TrainingArguments/TrainerState.
+CB_STEPS, CB_NAN = 3, 1  # at CB_NAN rank 1's backward makes layer 1's down_proj weight gradient NaN
+CB_NAN_PARAM = "model.layers.1.mlp.down_proj.weight"
+
+
+def _callback_worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), MLFLOW_DISABLE_TELEMETRY="true")
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM, TrainerControl, TrainerState
+
+    from rldiag.collectors.integrations.transformers import RldiagCallback
+    from tests.gloo_job import full_params, nan_weight_hook
+    from tests.integrations.test_transformers import V, llama_config, training_args
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config())
+    ref = copy.deepcopy(model)  # a plain replica, trained on the finite steps only
+    nan_now = [False]
+    model.model.layers[1].mlp.down_proj.register_forward_hook(nan_weight_hook(lambda: nan_now[0]))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    args = training_args(Path(out_dir) / f"rank{rank}", ddp_backend="gloo")
+    state, control = TrainerState(), TrainerControl()
+    state.is_world_process_zero = state.is_local_process_zero = rank == 0  # what Trainer sets
+    cb = RldiagCallback(experiment="sharded-cb", run_name="fsdp2", tracking_uri=uri, policy="skip",
+                        spill_dir=os.path.join(out_dir, f"spill{rank}"))
+
+    def batch(r: int, step: int) -> torch.Tensor:
+        return torch.randint(2, V, (2, 8), generator=torch.Generator().manual_seed(100 * step + r))
+
+    cb.on_train_begin(args, state, control, model=model)
+    expected = []
+    for step in range(CB_STEPS):
+        nan_now[0] = rank == 1 and step == CB_NAN
+        ids = batch(rank, step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        # FSDP averages the ranks' gradients: the replica's gradient of the mean of both ranks' losses
+        sum(ref(input_ids=batch(r, step), labels=batch(r, step)).loss for r in range(world)).div(world).backward()
+        expected.append(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # Trainer clips before the callback
+        cb.on_pre_optimizer_step(args, state, control, model=model, optimizer=opt)
+        opt.step()  # a no-op at the NaN step under "skip"
+        cb.on_optimizer_step(args, state, control)
+        if step != CB_NAN:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        state.global_step += 1
+    run_id = cb.session.run_id if cb.session is not None else None
+    cb.on_train_end(args, state, control)
+    state_full = full_params(model, "fsdp2")
+    ref_state = {n: p.detach().tolist() for n, p in ref.named_parameters()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"run_id": run_id, "expected": expected, "state": state_full, "ref_state": ref_state}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_the_transformers_callback_on_fsdp2_reports_the_global_norm_and_plain_names(tmp_path, sqlite_uri):
+    pytest.importorskip("transformers")
+    MlflowClient(sqlite_uri).search_experiments()  # migrate before two processes race to
+    mp.start_processes(_callback_worker, args=(2, free_port(), sqlite_uri, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r1["run_id"] is None and r0["run_id"] is not None
+    client = MlflowClient(sqlite_uri)
+    run_id = r0["run_id"]
+
+    def hist(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+    steps = range(1, CB_STEPS + 1)  # the callback logs step global_step + 1
+    assert hist("grad/finite") == {s: float(s != CB_NAN + 1) for s in steps}
+    norms = hist("grad/norm")
+    for step, want in enumerate(r0["expected"]):
+        if step != CB_NAN:  # the global pre-clip norm over both ranks' shards, not rank 0's shard alone
+            assert norms[step + 1] == pytest.approx(want, rel=1e-5)
+    assert math.isnan(norms[CB_NAN + 1])
+    tags = client.get_run(run_id).data.tags
+    assert tags["rldiag.alert.count"] == "1" and tags["rldiag.alert.first_step"] == str(CB_NAN + 1)
+    last = json.loads(tags["rldiag.alert.last"])
+    # named once by its FQN, no rank prefix, though the NaN reached both ranks' shards through the reduce-scatter
+    assert last["params"] == [CB_NAN_PARAM]
+    assert last["origin"]["where"] == "layer" and last["origin"]["param"] == CB_NAN_PARAM
+    # both ranks skipped the NaN step: the sharded model is the replica trained on the finite steps
+    for r in (r0, r1):
+        assert set(r["state"]) == set(r["ref_state"])
+        for name, value in r["state"].items():
+            assert _close(value, r["ref_state"][name], 1e-5), name
