@@ -55,8 +55,8 @@ DRAWN_JS = drawn_panels_js("name: t.name, x: Array.from(t.x || []), y: Array.fro
 MARKS_JS = """(() => {
   const marks = window.__rldiagMarks = {};
   const watch = (app) => new MutationObserver(() => {
-    const now = performance.now(), state = rldiag.app.getAttribute('data-test-script-state');
-    if (!marks.connected && rldiag.app.getAttribute('data-test-connection-state') === 'CONNECTED') marks.connected = now;
+    const now = performance.now(), state = app.getAttribute('data-test-script-state');
+    if (!marks.connected && app.getAttribute('data-test-connection-state') === 'CONNECTED') marks.connected = now;
     if (!marks.script_started && state === 'running') marks.script_started = now;
     if (marks.script_started && !marks.script_done && state === 'notRunning') marks.script_done = now;
   }).observe(app, {attributes: true, attributeFilter: ['data-test-connection-state', 'data-test-script-state']});
