@@ -180,17 +180,19 @@ def _precision(r: _Run) -> list[Cause]:
     against = f" (the trainer runs {trainer[1]})" if trainer else ""
     settings = [d for d in [r.differs("engine.dtype"), r.differs("engine.lm_head_dtype")] if d]
     if floor and S.bits(eng) and S.bits(eng) < floor:
-        head_note = ("; the lm_head already runs float32" if S.bits(head) and S.bits(head) >= 32 else
-                     f"; lm_head {head}" if head else "")
+        fp32_head = bool(S.bits(head) and S.bits(head) >= 32)
         fix = ("run the engine in float32 like the trainer, or correct the remaining mismatch (truncated "
-               "importance sampling)" if S.bits(head) and S.bits(head) >= 32 else
+               "importance sampling)" if fp32_head else
                "run the engine in the trainer's dtype; at least load the lm_head in float32 "
                "(hf_overrides={'head_dtype': 'float32'})")
-        return [Cause("engine_precision", f"engine precision: {eng} engine{against}", sig,
-                      (*settings, f"engine.dtype={eng}{head_note}"), fix, source, step=p.step)]
+        settings = settings or [f"engine.dtype={eng}"]
+        if fp32_head:
+            settings.append("the lm_head already runs float32 (engine.lm_head_dtype)")
+        return [Cause("engine_precision", f"engine precision: {eng} engine{against}", sig, tuple(settings), fix,
+                      source, step=p.step)]
     if floor and S.bits(head) and S.bits(head) < floor:
         return [Cause("lm_head_precision", f"lm_head precision: {head} lm_head{against}", sig,
-                      (*settings, f"engine.lm_head_dtype={head}"),
+                      tuple(settings or [f"engine.lm_head_dtype={head}"]),
                       "load the lm_head in float32 (vLLM hf_overrides={'head_dtype': 'float32'})", source, step=p.step)]
     numerics = [S.vs(k, v) for k, v in r.diffs.items() if k.startswith(S.ENGINE) and any(
         w in k for w in ("attention", "kv_cache", "quantization", "eager", "compilation", "cudagraph", "batch_invariant"))]
@@ -323,6 +325,24 @@ def _optimizer(r: _Run) -> list[Cause]:
                   step=step)]
 
 
+def _also_differs(params: Mapping[str, str], diffs: Mapping[str, tuple[str | None, str | None]],
+                  cited: set[str]) -> tuple[str, ...]:
+    """Engine settings that differ from the references' and no cause used. A `.requested` knob is said
+    only where the engine runs otherwise ("requested True, in effect False": the build overrode it)."""
+    out = []
+    for k, v in diffs.items():
+        if not k.startswith(S.ENGINE) or k in cited or k in ("engine.model", "engine.seed"):
+            continue
+        if k.endswith(".requested"):
+            base = k.removesuffix(".requested")
+            if base in diffs or base in cited or base not in params:
+                continue
+            out.append(f"{base} requested {v[0]} (the references: {v[1]}), in effect {params[base]} on this build")
+        else:
+            out.append(S.vs(k, v))
+    return tuple(out)
+
+
 RULES: tuple[Callable[[_Run], list[Cause]], ...] = (_semantics, _precision, _after_updates, _padding, _nan_filter,
                                                     _optimizer)
 
@@ -355,8 +375,7 @@ def likely_causes(histories: Histories, configs: Mapping[str, object], reference
                  nonfinite_signature(histories, cand), departures, tuple((alerts or {}).get(cand, ())))
         causes = [c for rule in RULES for c in rule(r)]
         causes.sort(key=lambda c: (bool(c.hint), c.step))  # confirmed by a setting first, then earliest
-        also = tuple(S.vs(k, v) for k, v in diffs.items() if k.startswith(S.ENGINE) and k not in r.cited
-                     and k not in ("engine.model", "engine.seed"))
+        also = _also_differs(mine, diffs, r.cited)
         notes = []
         if not causes:
             if not diffs:

@@ -85,7 +85,8 @@ def bits(dtype: str | None) -> int | None:
 
 
 def trainer_dtype(params: Mapping[str, str]) -> tuple[str, str] | None:
-    return find(params, ("dtype", "torch_dtype"))
+    """The trainer's dtype param (`model.dtype`, `torch_dtype`, ...): none that names the engine."""
+    return find({k: v for k, v in params.items() if "engine" not in k.lower()}, ("dtype", "torch_dtype"))
 
 
 def reference_value(refs: Sequence[Mapping[str, str]], key: str) -> str | None:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pandas as pd
 import streamlit as st
 
+from rldiag.app.analysis.causes import RunCauses, likely_causes
 from rldiag.app.analysis.divergence import CandidateSummary, summarize
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
@@ -91,10 +92,24 @@ def summary_line(s: CandidateSummary, label: str) -> str:
     return f"- **{escape_md(label)}**: " + "; ".join(parts)
 
 
-def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], labels, band: str) -> None:
-    """One line per candidate (`summary_line`), the full (candidate, metric) table of onsets on request:
-    a data grid costs the page load most of a second in the browser, a few lines of text next to nothing."""
-    st.markdown("\n".join(summary_line(s, labels[s.run_id]) for s in summaries))
+def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], labels, band: str,
+                        causes: list[RunCauses] = ()) -> None:
+    """One line per candidate (`summary_line`, its likely cause under it), the ranked causes and the full
+    (candidate, metric) table of onsets on request: a data grid costs the page load most of a second in
+    the browser, a few lines of text next to nothing."""
+    lines = {rc.run_id: rc.line() for rc in causes}
+    st.markdown("\n".join(summary_line(s, labels[s.run_id]) + (f"\n  - {escape_md(lines[s.run_id])}"
+                                                                if lines.get(s.run_id) else "") for s in summaries))
+    ranked = [rc for rc in causes if rc.causes]
+    if ranked:
+        with st.expander("Likely causes, ranked, with their evidence", expanded=False):
+            for rc in ranked:
+                st.markdown(f"**{escape_md(labels[rc.run_id])}**\n" + "\n".join(
+                    f"{i}. **{escape_md(c.title)}**{f' ({escape_md(c.hint)})' if c.hint else ''}: "
+                    f"{escape_md('; '.join([*c.signature, *c.settings]))}. Fix: {escape_md(c.fix)}. "
+                    f"Source: {escape_md(c.source)}" for i, c in enumerate(rc.causes, 1))
+                    + (f"\n\nAlso differs (no signature of its own): {escape_md('; '.join(rc.also_differs))}"
+                       if rc.also_differs else ""))
     needed = summaries[0].steps_needed if summaries else 0
     st.caption(f"Compared with {band}: first step from which the candidate stays outside its noise band, also "
                f"marked on the charts; a metric needs {needed} compared steps before staying inside says anything.")
@@ -121,11 +136,13 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     else:
         table = data.divergence_rows(divs, sel.labels)
         summaries = summarize(divs, h, refs, cands, metric_keys)
+        causes = likely_causes(h, data.configs(sel.uri, tuple(refs + cands)), refs, cands, summaries=summaries,
+                               alerts=data.alert_events(sel.uri, tuple(cands)))
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
-        if all(s.clean for s in summaries):  # finite gradients, enough steps on every metric, no departure
+        if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
             st.success(f"No candidate leaves {band} on the metrics shown.", icon=":material/check:")
         else:
-            _divergence_summary(table, summaries, sel.labels, band)
+            _divergence_summary(table, summaries, sel.labels, band, causes)
 
     colors = run_colors(run_ids, refs, order=run_order(sel.runs))  # from the run, not its place in the pick
     labels = tuple((r, sel.labels[r]) for r in run_ids)

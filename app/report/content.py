@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from rldiag.app.analysis.causes import RunCauses, likely_causes
 from rldiag.app.analysis.config_diff import RunConfig, config_diff
 from rldiag.app.analysis.divergence import (
     DIVERGENCE_COLUMNS,
@@ -64,6 +65,7 @@ class ReportContent:
     config_diff: pd.DataFrame  # rldiag.app.analysis.config_diff.config_diff, columns group, kind, name, <labels>
     figures: dict[str, object]  # key -> plotly Figure
     summaries: tuple[CandidateSummary, ...] = ()  # per candidate, in candidate order
+    causes: tuple[RunCauses, ...] = ()  # per candidate, in candidate order: likely causes with their evidence
     unchecked: dict[str, list[int]] = field(default_factory=dict)  # run -> steps with grad/found = 0
     histories: Histories | None = None  # what was loaded (the NaN episodes read which steps were checked)
 
@@ -137,11 +139,12 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     nonfinite = nonfinite[nonfinite["key"].isin(keys)].reset_index(drop=True)
     configs = {r.info.run_id: RunConfig(dict(r.data.params), tags[r.info.run_id]) for r in runs}
     diff = config_diff(configs, labels=labels)
+    causes = tuple(likely_causes(histories, configs, refs, cands, summaries=summaries, alerts=alerts))
 
     groups = sorted({i.group for i in infos if i.group})
     title = (f"group {', '.join(groups)}: " if groups else "") + f"{len(cands)} candidate(s) vs {len(refs)} reference(s)"
     return ReportContent(title, redact_uri(store.uri), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), infos,
-                         tuple(keys), divergence, events, nonfinite, diff, figures, summaries,
+                         tuple(keys), divergence, events, nonfinite, diff, figures, summaries, causes,
                          {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories)
 
 

@@ -117,6 +117,28 @@ def _divergence(c: ReportContent) -> str:
                       "first non-finite step", "steps compared", "note"], rows, {3, 5, 6, 7, 8, 9}))
 
 
+def _causes(c: ReportContent) -> str:
+    """One line per candidate (its first likely cause), the ranked list with its evidence folded under it."""
+    labels, items, details = c.labels, [], []
+    for rc in c.causes:
+        line = rc.line()
+        if line:
+            items.append(f"<li><b>{e(labels[rc.run_id])}</b>: {e(line)}</li>")
+        if not rc.causes:
+            continue
+        rows = [([str(i), e(x.title) + (f' <span class="note">({e(x.hint)})</span>' if x.hint else ""),
+                  "<br>".join(map(e, x.signature)) or "-", "<br>".join(map(e, x.settings)) or "-", e(x.fix),
+                  e(x.source)], "") for i, x in enumerate(rc.causes, 1)]
+        also = (f'<p class="note">Also differs, with no signature of its own in these metrics: '
+                f'{e("; ".join(rc.also_differs))}</p>' if rc.also_differs else "")
+        details.append(f"<details><summary>{e(labels[rc.run_id])}: {len(rc.causes)} likely cause(s), ranked"
+                       f"</summary>{_table(['#', 'cause', 'metrics', 'settings', 'fix', 'source'], rows, {0})}"
+                       f"{also}</details>")
+    if not items:
+        return "<p>No likely cause: no candidate shows the signature of a known cause.</p>"
+    return "<ul>" + "".join(items) + "</ul>" + "".join(details)
+
+
 def _nan_events(c: ReportContent) -> str:
     """One row per run and episode (`nan_episodes`), the per-step detail folded under it."""
     ev = c.nan_events
@@ -198,6 +220,7 @@ def render_html(c: ReportContent) -> str:
 little further from the edge); dashed line and diamond: where a candidate leaves the reference band.</p>
 <div class="grid">{charts}</div></section>
 <section id="divergence"><h2>Divergence from the references, per metric</h2>{_divergence(c)}</section>
+<section id="causes"><h2>Likely causes</h2>{_causes(c)}</section>
 <section id="runs"><h2>Runs</h2>{_runs(c)}</section>
 <section id="nan"><h2>Non-finite gradients</h2>{_nan_events(c)}</section>
 <section id="nonfinite"><h2>Non-finite metric values</h2>{_nonfinite(c)}</section>

@@ -33,6 +33,27 @@ def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[st
     return lines
 
 
+def _causes(c: ReportContent) -> list[str]:
+    """Every candidate's ranked likely causes: what matched, which settings, the fix, the source."""
+    found = [rc for rc in c.causes if rc.causes or rc.also_differs]
+    if not found:
+        return []
+    out = ["### Likely causes", ""]
+    for rc in found:
+        out.append(f"**{md(c.labels[rc.run_id])}**" + ("" if rc.causes else ": no likely cause"))
+        out.append("")
+        for i, cause in enumerate(rc.causes, 1):
+            out.append(f"{i}. **{md(cause.title)}**" + (f" ({md(cause.hint)})" if cause.hint else ""))
+            out += [f"   - metrics: {md(t)}" for t in cause.signature]
+            out += [f"   - settings: {md(t)}" for t in cause.settings]
+            out += [f"   - fix: {md(cause.fix)}", f"   - source: {md(cause.source)}"]
+        if rc.also_differs:
+            out.append("- also differs, with no signature of its own in these metrics: "
+                       + "; ".join(md(t) for t in rc.also_differs))
+        out.append("")
+    return out
+
+
 def render_markdown(c: ReportContent) -> str:
     """The Markdown summary: runs, divergence, non-finite gradients and values, config differences."""
     labels = c.labels
@@ -44,8 +65,11 @@ def render_markdown(c: ReportContent) -> str:
 
     out += ["### Divergence from the references", ""]
     summaries = {s.run_id: s for s in c.summaries}
+    causes = {rc.run_id: rc for rc in c.causes}
     for s in c.summaries:
         out.append("- " + md(headline(s, labels[s.run_id])))
+        if s.run_id in causes and causes[s.run_id].line():
+            out.append("  - " + md(causes[s.run_id].line()))
     div = c.divergence
     hits = div[div["status"] == "diverged"].to_dict("records")
     if hits:
@@ -73,6 +97,7 @@ def render_markdown(c: ReportContent) -> str:
     else:
         out.append("")
 
+    out += _causes(c)
     out += ["### Non-finite gradients", ""]
     ev = c.nan_events
     unchecked = unchecked_text(c.unchecked, c.labels)

@@ -31,6 +31,7 @@ class WatchAlert:
     alert: NonFiniteGradAlert
     values: dict[str, float]
     experiment: str = ""
+    cause: str = ""  # the run's first likely cause in one line (rldiag.app.analysis.causes), "" if none fits
 
     run_id = property(lambda self: self.alert.run_id)
     run_name = property(lambda self: self.alert.run_name)
@@ -41,22 +42,25 @@ class WatchAlert:
         name = f"{a.run_name} ({a.run_id})" if a.run_name else a.run_id
         flagged = ", ".join(f"{k}={v}" for k, v in self.values.items())
         where = f" in experiment {self.experiment!r}" if self.experiment else ""
-        return f"rldiag watch: non-finite gradients in run {name}{where} at step {a.step}: {flagged}"
+        cause = f"; {self.cause}" if self.cause else ""
+        return f"rldiag watch: non-finite gradients in run {name}{where} at step {a.step}: {flagged}{cause}"
 
     def as_dict(self) -> dict:
         d = self.alert.as_dict()
         d.update(source=SOURCE, keys={k: _num(v) for k, v in self.values.items()}, experiment=self.experiment,
-                 text=self.text())
+                 cause=self.cause, text=self.text())
         return d
 
 
-def divergence_event(run_id: str, run_name: str, group: str, references: Sequence[str], row: dict) -> dict:
-    """The event for a candidate that left its references' band on one metric (see `rldiag.app.analysis.divergence`)."""
+def divergence_event(run_id: str, run_name: str, group: str, references: Sequence[str], row: dict,
+                     cause: str = "") -> dict:
+    """The event for a candidate that left its references' band on one metric (see `rldiag.app.analysis.divergence`);
+    `cause`: its first likely cause in one line (`rldiag.app.analysis.causes.RunCauses.line`), "" if none fits."""
     delta = row["delta"]
     size = f"; delta {delta:+.4g} ({row['delta_sigma']:+.1f} sigma)" if isinstance(delta, float) and math.isfinite(delta) else ""
     text = (f"rldiag watch: run {run_name or run_id} ({run_id}) diverges from its reference(s) in group {group!r} "
-            f"on {row['key']} from step {row['onset_step']} ({row['kind']}){size}")
+            f"on {row['key']} from step {row['onset_step']} ({row['kind']}){size}" + (f"; {cause}" if cause else ""))
     return {"kind": "divergence", "source": SOURCE, "run_id": run_id, "run_name": run_name, "group": group,
             "references": list(references), "key": row["key"], "step": int(row["onset_step"]),
             "departure": row["kind"], "delta": _num(float(delta)), "delta_sigma": _num(float(row["delta_sigma"])),
-            "time": time.time(), "text": text}
+            "cause": cause, "time": time.time(), "text": text}

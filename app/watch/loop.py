@@ -42,7 +42,8 @@ from rldiag.collectors.uri import redact_text, redact_uri
 
 log = logging.getLogger("rldiag.watch")
 
-WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE)  # canonical; aliases come from keys.ALIASES
+# canonical; aliases come from keys.ALIASES. The loss tells a NaN's likely cause (finite loss, NaN gradients).
+WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS)
 ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
 DEFAULT_INTERVAL = 30.0
 
@@ -168,9 +169,10 @@ class Watcher:
         if not todo:
             return 0
         disp = self._dispatcher(run_id, rs)
+        cause = _cause(self._h, run, {})
         for b in todo:
             disp.emit(WatchAlert(NonFiniteGradAlert(run_id, b.step, b.grad_norm, [], run_name=name), b.values,
-                                 experiment))
+                                 experiment, cause))
             rs.mark(b.step)
         self.state.save()  # per run, so a crash repeats as little as possible
         return len(todo)
@@ -200,11 +202,13 @@ class Watcher:
             return 0
         exp_ids = sorted({r.info.experiment_id for r in cands})
         refs: dict[str, list[str]] = {}
+        ref_params: dict[str, dict[str, str]] = {}
         for g in sorted({r.data.tags[keys.TAG_GROUP] for r in cands}):
             if "'" in g:
                 continue  # cannot be quoted in a search filter; skipped
             found = self._search(exp_ids, f"tags.`{keys.TAG_GROUP}` = '{g}' AND tags.`{keys.TAG_ROLE}` = 'reference'")
             refs[g] = [r.info.run_id for r in found]
+            ref_params.update({r.info.run_id: dict(r.data.params) for r in found})
         ids = list(dict.fromkeys([i for g in refs.values() for i in g] + [r.info.run_id for r in cands]))
         metrics = [k for k in keys.CANONICAL_METRICS if k not in (keys.GRAD_FINITE, keys.GRAD_NONFINITE_PARAMS)]
         self._div_h = load_histories(self.store, ids, metrics, previous=self._div_h)
@@ -214,12 +218,14 @@ class Watcher:
             if not refs.get(g):
                 continue
             table = divergence_frame(compare_runs(self._div_h, refs[g], [run_id]))
-            rs = None
+            rs, cause = None, None
             for row in table[table["onset_step"].notna()].to_dict("records"):
                 rs = rs or self.state.run(run_id, name)
                 if row["key"] in rs.diverged:
                     continue
-                event = divergence_event(run_id, name, g, refs[g], row)
+                if cause is None:
+                    cause = _cause(self._div_h, r, {i: ref_params.get(i, {}) for i in refs[g]})
+                event = divergence_event(run_id, name, g, refs[g], row, cause)
                 for sink in self.sinks:  # once per (run, metric): no rate limit needed
                     try:
                         sink.send(event)
@@ -237,6 +243,20 @@ class Watcher:
                 s.close()
             except Exception as e:  # noqa: BLE001 - close the others
                 log.warning("rldiag watch: closing %r failed: %s", s, e)
+
+
+def _cause(h: Histories, run, ref_params: dict[str, dict[str, str]]) -> str:
+    """The run's first likely cause against `ref_params`' runs, in one line ('' when none fits); a failure
+    here is logged, never stops an alert."""
+    from rldiag.app.analysis.causes import likely_causes
+
+    try:
+        (found,) = likely_causes(h, {run.info.run_id: dict(run.data.params), **ref_params}, list(ref_params),
+                                 [run.info.run_id])
+    except Exception as e:  # noqa: BLE001 - the alert goes out without its cause
+        log.warning("rldiag watch: likely causes of run %s failed: %s: %s", run.info.run_id, type(e).__name__, e)
+        return ""
+    return found.line() if found.causes else ""
 
 
 class _Collect:
