@@ -20,6 +20,7 @@ from rldiag.app.dashboard.selection import (
     label_list,
     needs_runs,
 )
+from rldiag.app.dashboard.worst_tokens import render_section as worst_token_section
 from rldiag.app.data.runs import runs_with_metrics
 from rldiag.app.plots.decimate import DEFAULT_POINTS
 from rldiag.app.plots.figures import ChartOptions, run_colors, run_order
@@ -179,6 +180,7 @@ def render() -> None:
         _charts(sel, run_ids, metric_keys, options, live)
 
     charts()
+    worst_token_section(sel, run_ids)
     _downloads(sel, run_ids, metric_keys, options)
 
 

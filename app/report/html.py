@@ -12,6 +12,7 @@ import html
 from functools import cache
 
 from rldiag.app.analysis.nan_events import unchecked_text
+from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
 from rldiag.app.report.nan_episodes import nan_episodes
@@ -195,6 +196,15 @@ def _cell(text: str) -> str:
     return text if len(text) <= MAX_CONFIG_CHARS else f"{text[:MAX_CONFIG_CHARS]}... ({len(text)} characters)"
 
 
+def _worst(c: ReportContent) -> str:
+    """The worst-token section, only when a run logged `mismatch/worst/*`."""
+    lines = worst_token_lines(c.histories, c.labels)
+    if not lines:
+        return ""
+    items = "".join(f"<li>{e(x)}</li>" for x in lines)
+    return f'<section id="worst"><h2>Worst tokens (trainer vs engine)</h2><ul>{items}</ul></section>\n'
+
+
 def render_html(c: ReportContent) -> str:
     """The whole page; see the module docstring."""
     charts = "".join(f'<div class="chart" id="chart-{i}" data-key="{e(k)}"></div>' for i, k in enumerate(c.keys))
@@ -224,7 +234,7 @@ little further from the edge); dashed line and diamond: where a candidate leaves
 <section id="runs"><h2>Runs</h2>{_runs(c)}</section>
 <section id="nan"><h2>Non-finite gradients</h2>{_nan_events(c)}</section>
 <section id="nonfinite"><h2>Non-finite metric values</h2>{_nonfinite(c)}</section>
-<section id="config"><h2>Config differences</h2>{_config(c)}</section>
+{_worst(c)}<section id="config"><h2>Config differences</h2>{_config(c)}</section>
 {specs}
 <script>{_LOADER}</script>
 </body></html>

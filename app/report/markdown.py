@@ -8,6 +8,7 @@ table cell, open a link or inject HTML. Long tables are cut at `MAX_ROWS`; the H
 from __future__ import annotations
 
 from rldiag.app.analysis.nan_events import unchecked_text
+from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
 
@@ -129,6 +130,9 @@ def render_markdown(c: ReportContent) -> str:
                         md(format_ranges(r["steps"], limit=12))] for r in nf.to_dict("records")], "llrrrl")
         out.append("")
 
+    worst = worst_token_lines(c.histories, labels)
+    if worst:
+        out += ["### Worst tokens (trainer vs engine)", "", *(f"- {md(w)}" for w in worst), ""]
     out += ["### Config differences", ""]
     diff = c.config_diff
     if diff.empty:
