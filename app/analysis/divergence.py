@@ -1,78 +1,113 @@
-"""Where a candidate run leaves its reference: per metric, the first step from which it stays outside
-the reference's noise band, and by how much.
+"""Where a candidate run leaves its reference: per metric, every stretch it spends outside the
+references' noise, when a watcher would first know, and by how much (metric units first).
 
-The band, at each step (on the steps the candidate logged):
+The test (`rldiag.app.analysis.detector`, whose docstring says why each piece is there):
 - centre: the median across reference seeds of each seed's centred rolling median (`window` steps);
-  a centred median shifts exactly at a step change, so the onset is not smeared forward;
-- half-width: `k` x the combined noise of the comparison, that is the point noise of the reference
-  (a robust, local MAD of its residuals around its rolling median) shrunk to the noise of a rolling
-  median, plus the spread between the seeds' smoothed curves (robust MAD across seeds): seeds of
-  one configuration wander apart; a band of several seeds knows by how much, a single reference run
-  cannot, so pass several seeds where you have them;
-- floors `min_delta` (absolute) and `rel_delta` (fraction of the centre) keep a flat reference (a
-  clip rate of exactly 0) from calling every rounding difference a departure.
-
-A departure is `persist` consecutive compared steps on one side outside the band (one spike does
-not make one); its onset is then placed by the best two-piece fit of the raw deviation within a
-window of the first outside step (a centred median can cross up to half a window early). Also: the candidate non-finite for `persist` steps where the reference is finite
-(`kind="nonfinite"`), and its residual noise `var_ratio` times the reference's (`kind="variance"`).
-The earliest of the three is reported. Considered: `ruptures` (offline change-point segmentation);
-it finds where one series changes, not where one leaves another's band, and needs a penalty per
-metric scale; this band test is a few vectorised rolling medians.
+- the candidate's residual from the centre, in the metric's units, or as logs for positive
+  heavy-tailed metrics (KL, clip rate, grad norm) whose noise is symmetric there;
+- trailing medians of the residual over `windows` (5 to 129 points), each against the sd it has under
+  no change: the references' point noise with its autocorrelation, the centre's own error and the
+  seed-to-seed spread (estimated from the seeds; a prior of `seed_spread` noise sd where fewer seeds
+  tell); a departure is any window beyond `k` such sd (or beyond what the references' own bursts
+  reach on it, if more); it ends once that window is back under half its bar for a window's length;
+- also: the candidate's step-to-step noise `var_ratio` times the references' (`kind="variance"`), and
+  the candidate non-finite where the references are finite (`kind="nonfinite"`).
+The scan is causal: `alert_step` is the step a watcher polling every step reports the departure at;
+`onset_step` is placed after the fact (a CUSUM split). Considered: `ruptures` (offline change-point
+segmentation): it finds where one series changes, not where one leaves another's noise, and needs a
+penalty per metric scale.
 
 A candidate without a departure on fewer compared steps than `DivergenceConfig.min_steps` is "not
-enough steps" (`Divergence.status`), never "within": `persist` steps cannot run outside a band on
-fewer. `summarize` says per candidate what the comparison shows, for the headlines of the report,
-the dashboard and `rldiag report`: non-finite gradients first, then the first departure, then how
-much was compared (metrics with not enough steps, not compared, or no longer logged).
+enough steps" (`Divergence.status`), never "within". `summarize` says per candidate what the
+comparison shows, for the headlines of the report, the dashboard and `rldiag report`: non-finite
+gradients first, then the first departure, then how much was compared (metrics with not enough
+steps, not compared, or no longer logged).
 """
 
 from __future__ import annotations
 
-import functools
+import math
 import os
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from rldiag.app.data.align import align_by_step
+from rldiag.app.analysis.detector import (
+    candidate_scale,
+    finite_values,
+    quiet,
+    reference_model,
+    rolling,
+    scan,
+    transform,
+)
 from rldiag.app.data.trace import Trace
 
 if TYPE_CHECKING:
     from rldiag.app.data.histories import Histories
 
-_MAD = 1.4826  # MAD -> standard deviation for normal noise
-_MEDIAN_SE = 1.2533  # standard error of a median / of a mean (sqrt(pi/2)), large samples
+_quiet = quiet  # compare_runs' threads (below) and older callers
 
 
 @dataclass(frozen=True)
 class DivergenceConfig:
-    window: int = 9  # rolling-median window, in compared steps (odd)
-    k: float = 3.5  # band half-width, in noise units of the comparison
-    persist: int = 15  # consecutive outside steps (one side) that make a departure
-    scale_window: int = 101  # steps over which the noise scales are estimated (robust, local)
-    var_ratio: float = 3.0  # candidate residual noise / reference noise that makes a variance departure
-    min_delta: float = 0.0  # absolute floor on the half-width, in metric units
-    rel_delta: float = 0.0  # floor on the half-width, as a fraction of |centre|
+    """The detector's options (one object for the dashboard, the report and the watcher; the CLI's
+    `--divergence KEY=VALUE` sets them). Defaults measured on `bench.divergence_rl` (README)."""
+
+    window: int = 9  # centre: each reference seed's centred rolling median, in steps (odd)
+    k: float = 5.5  # bar of the longest trailing median, in sd of its no-change difference from the centre
+    k_per_halving: float = 0.25  # the bar rises by this for each halving of the window (tested more often)
+    windows: tuple[int, ...] = (9, 17, 33, 65, 129)  # trailing medians tested, in compared steps
+    detrend_window: int = 65  # steps of the wide smooth the noise is measured around
+    seed_spread: float = 0.4  # prior seed-to-seed spread, in noise sd (all that 1 or 2 seeds can give)
+    seed_spread_weight: float = 1.0  # the prior counts as this many seeds beside the references' estimate
+    calibration_margin: float = 1.1  # a window's bar >= this x the largest value the references reach on it
+    var_ratio: float = 3.0  # candidate step-to-step noise / the references' that makes a variance departure
+    var_window: int = 31  # trailing steps over which the candidate's noise is measured
+    nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
+    min_delta: float = 0.0  # a departure must exceed this, in metric units
+    rel_delta: float = 0.0  # ... and this fraction of the reference's level
 
     def __post_init__(self):
         if self.window < 1 or self.window % 2 == 0:
             raise ValueError(f"window={self.window}: use an odd number of steps >= 1, e.g. 9")
-        if self.persist < 1 or self.k <= 0 or self.scale_window < 3 or self.var_ratio <= 1:
-            raise ValueError(f"invalid {self}: need persist >= 1, k > 0, scale_window >= 3, var_ratio > 1")
+        if not self.windows or min(self.windows) < 3 or list(self.windows) != sorted(self.windows):
+            raise ValueError(f"windows={self.windows}: use ascending window lengths of 3 steps or more, e.g. (5, 9, 17)")
+        if self.k <= 0 or self.detrend_window < 3 or self.var_ratio <= 1 or self.var_window < 5:
+            raise ValueError(f"invalid {self}: need k > 0, detrend_window >= 3, var_ratio > 1, var_window >= 5")
+        if self.nonfinite_persist < 1 or self.seed_spread < 0 or self.calibration_margin < 1:
+            raise ValueError(f"invalid {self}: need nonfinite_persist >= 1, seed_spread >= 0, calibration_margin >= 1")
 
     @property
     def min_steps(self) -> int:
-        """Compared steps a candidate needs before staying inside the band says anything: a departure
-        is `persist` consecutive compared steps outside it, and the centred medians compare a step only
-        once half a window of points surrounds it. Fewer, and no departure: "not enough steps"."""
-        return max(self.persist, self.window // 2 + 1)
+        """Compared steps a candidate needs before staying inside says anything: the shortest window
+        twice (a stretch at parity, then one outside it). Fewer, and no departure: "not enough steps"."""
+        return 2 * self.windows[0]
+
+    @classmethod
+    def from_options(cls, options: Sequence[str]) -> DivergenceConfig:
+        """From `KEY=VALUE` strings (the CLI's `--divergence`), e.g. `k=6` or `windows=5,9,17`."""
+        kinds = {f.name: f for f in fields(cls)}
+        values: dict = {}
+        for item in options:
+            key, sep, raw = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in kinds:
+                raise ValueError(f"divergence option {item!r}: use KEY=VALUE with KEY one of {', '.join(kinds)}")
+            default = getattr(cls(), key)
+            try:
+                if isinstance(default, tuple):
+                    values[key] = tuple(int(x) for x in raw.split(",") if x.strip())
+                else:
+                    values[key] = type(default)(raw)
+            except ValueError:
+                raise ValueError(f"divergence option {item!r}: {key} takes a {type(default).__name__}, "
+                                 f"e.g. {key}={default if not isinstance(default, tuple) else ','.join(map(str, default))}") from None
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -81,30 +116,56 @@ class Band:
 
     steps: np.ndarray
     center: np.ndarray
-    lower: np.ndarray
+    lower: np.ndarray  # the shortest window's bar around the centre, metric units
     upper: np.ndarray
-    noise: np.ndarray  # the reference's point noise (one standard deviation), per step
-    candidate: np.ndarray  # the candidate's rolling median on the same steps
+    noise: np.ndarray  # the references' point noise (one sd, compared scale), per step
+    candidate: np.ndarray  # the candidate's trailing median over the shortest window, same steps
 
 
 DIVERGED, WITHIN, NOT_ENOUGH_STEPS = "diverged", "within", "not_enough_steps"  # Divergence.status
 
 
 @dataclass(frozen=True)
+class Departure:
+    """One stretch outside the references' noise, in metric units."""
+
+    kind: str  # "level", "variance" or "nonfinite"
+    onset_step: int  # first step, placed after the fact
+    alert_step: int  # the step at which a causal scan (a watcher polling every step) first reports it
+    end_step: int | None  # last step; None while it lasts to the candidate's end
+    candidate: float  # the candidate's median over it (NaN for nonfinite)
+    reference: float  # the reference centre's median over it
+    delta: float  # median of (candidate - centre) over it, metric units
+    delta_sigma: float  # the residual in sd of the references' point noise (log sd for log-compared metrics)
+
+    @property
+    def relative(self) -> float:
+        """delta / |reference| (NaN where the reference is 0)."""
+        return self.delta / abs(self.reference) if self.reference and math.isfinite(self.reference) else float("nan")
+
+
+@dataclass(frozen=True)
 class Divergence:
     key: str
-    onset_step: int | None  # first step of the departure; None: the candidate stays in the band
+    onset_step: int | None  # first step of the first departure; None: the candidate stays inside
     kind: str | None  # "level", "variance" or "nonfinite"
-    end_step: int | None  # last step of the departure; None while it lasts to the candidate's end
-    delta: float  # median of (candidate - centre) over the departure, metric units (NaN if none)
-    delta_sigma: float  # the same in units of the reference's point noise
+    end_step: int | None  # last step of the first departure; None while it lasts to the candidate's end
+    delta: float  # median of (candidate - centre) over the first departure, metric units (NaN if none)
+    delta_sigma: float  # the same in units of the references' point noise
     first_nonfinite_step: int | None  # the candidate's first NaN/inf where the reference is finite
     steps_compared: int
     steps_needed: int = DivergenceConfig().min_steps  # the config's min_steps
+    alert_step: int | None = None  # when a watcher polling every step first reports the first departure
+    departures: tuple[Departure, ...] = field(default=())  # every departure, in order of onset
+    detectable: float = float("nan")  # smallest lasting shift (metric units) the longest window flags
 
     @property
     def diverged(self) -> bool:
         return self.onset_step is not None
+
+    @property
+    def first(self) -> Departure | None:
+        return self.departures[0] if self.departures else None
 
     @property
     def status(self) -> str:
@@ -116,121 +177,97 @@ class Divergence:
 
     @property
     def evidence(self) -> str:
-        """The status in words: "diverged", "within the band", "not enough steps (8 compared, 15
+        """The status in words: "diverged", "within the band", "not enough steps (8 compared, 10
         needed)" or "not compared (0 steps)"."""
         status = self.status
         if status == DIVERGED:
             return "diverged"
         if status == WITHIN:
+            if math.isfinite(self.detectable) and self.detectable > 0:
+                return f"within the band (a lasting shift under {self.detectable:.3g} would not show)"
             return "within the band"
         if self.steps_compared == 0:
             return "not compared (0 steps)"
         return f"not enough steps ({self.steps_compared} compared, {self.steps_needed} needed)"
 
 
-def _first_run(mask: np.ndarray, n: int) -> int | None:
-    """Index of the first run of at least `n` consecutive True values."""
-    if n <= 1:
-        hits = np.flatnonzero(mask)
-        return int(hits[0]) if len(hits) else None
-    c = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
-    full = (c[n:] - c[:-n]) == n  # full[i]: mask[i:i+n] all True
-    hits = np.flatnonzero(full)
-    return int(hits[0]) if len(hits) else None
+def sigma_text(x: float) -> str:
+    """A residual in noise sd for display: bounded (references that agree to 1e-7 make any gap huge)."""
+    if not math.isfinite(x):
+        return ""
+    if abs(x) >= 1000:
+        return f"{'>' if x > 0 else '<-'}1000 sd"
+    return f"{x:+.1f} sd"
 
 
-def _rolling(a: np.ndarray | pd.DataFrame, w: int, how: str, min_periods: int = 1):
-    frame = a if isinstance(a, pd.DataFrame) else pd.DataFrame(a)
-    r = frame.rolling(w, center=True, min_periods=min_periods)
-    return getattr(r, how)().to_numpy()
+def departure_text(key: str, d: Departure) -> str:
+    """"ratio mean 1.263 vs 1.000 (+26%, +8.0 sd) from step 0" — metric units first, sd second."""
+    if d.kind == "nonfinite":
+        text = f"{key} non-finite from step {d.onset_step}"
+    else:
+        rel = d.relative
+        pct = f"{rel:+.0%}, " if math.isfinite(rel) and abs(rel) < 100 else ""
+        what = "noise" if d.kind == "variance" else key
+        sd = sigma_text(d.delta_sigma)
+        text = (f"{what} {d.candidate:.4g} vs {d.reference:.4g} ({pct}{sd}) from step {d.onset_step}"
+                if d.kind == "level" else
+                f"{key} noise x{d.delta_sigma:.1f} the reference's from step {d.onset_step}")
+    if d.end_step is not None:
+        text += f" to {d.end_step}"
+    return text
+
+
+def _aligned(model, candidate: Trace):
+    """The candidate on the reference grid: steps, values (finite or NaN), reference-finite mask, centre."""
+    pos = np.searchsorted(model.steps, candidate.steps)
+    hit = pos < len(model.steps)
+    hit[hit] = model.steps[pos[hit]] == candidate.steps[hit]
+    pos = pos[hit]
+    ref_ok = np.isfinite(model.values[pos]).any(axis=1) if model.values.shape[1] else np.zeros(len(pos), bool)
+    keep = ref_ok | ~np.isfinite(candidate.values[hit])  # a NaN where no reference is finite is not compared
+    keep &= ref_ok
+    steps = candidate.steps[hit][keep]
+    raw = np.asarray(candidate.values[hit][keep], float)
+    return steps, raw, model.center[pos[keep]]
+
+
+def _floor(model, center_t: np.ndarray, config: DivergenceConfig) -> np.ndarray:
+    """min_delta / rel_delta as a floor on |residual| in the compared scale."""
+    if not (config.min_delta or config.rel_delta):
+        return np.zeros(len(center_t))
+    if model.noise.log:
+        level = np.exp(center_t)
+        return np.log1p(np.maximum(config.min_delta / np.maximum(level, 1e-300), config.rel_delta))
+    return np.maximum(config.min_delta, config.rel_delta * np.abs(center_t))
+
+
+def _inverse(model, x: np.ndarray) -> np.ndarray:
+    return np.exp(x) if model.noise.log else x
+
+
+def _residual(references: Sequence[Trace], candidate: Trace, config: DivergenceConfig):
+    model = reference_model(tuple(references), config)
+    steps, raw, center_t = _aligned(model, candidate)
+    cand = finite_values(raw)
+    ct = transform(cand, model.noise.log, model.log_floor)
+    with quiet():
+        r = ct - center_t
+        fl = _floor(model, center_t, config)
+        r = np.sign(r) * np.maximum(np.abs(r) - fl, 0.0)
+    return model, steps, raw, cand, ct, center_t, r
 
 
 def compute_band(references: Sequence[Trace], candidate: Trace,
                  config: DivergenceConfig = DivergenceConfig()) -> tuple[Band, np.ndarray, np.ndarray]:
-    """The band on the candidate's steps; also the candidate's raw values and the reference-present mask."""
-    labels = {f"ref{i}": t for i, t in enumerate(references)}
-    al = align_by_step({**labels, "cand": candidate})
-    rows = al.present[:, -1]
-    steps, cand = al.steps[rows], al.values[rows][:, -1]
-    ref_part = _reference_part(tuple(references), steps.tobytes(), config)
-    return _band(ref_part, steps, cand, config), cand, ref_part.ok
-
-
-@dataclass(frozen=True, eq=False)
-class _RefPart:
-    """What the band needs from the references alone, on a given set of steps."""
-
-    ref: np.ndarray  # the references' values on the steps (NaN where a seed has none or is non-finite)
-    ok: np.ndarray  # any reference finite at the step
-    smooth: np.ndarray
-    center: np.ndarray
-    noise: np.ndarray
-    spread: np.ndarray  # robust spread of the seeds' smoothed curves (0 for one seed)
-    n_seeds: np.ndarray
-    n_ref: np.ndarray
-
-
-@functools.lru_cache(maxsize=16)  # ~10 MB an entry at 100k steps x 3 seeds
-def _reference_part(references: tuple[Trace, ...], steps_bytes: bytes, config: DivergenceConfig) -> _RefPart:
-    """Cached per (references, steps): comparing many candidates that share their steps with one
-    reference band (a report, the dashboard's grid) smooths the references once, not per candidate."""
-    steps = np.frombuffer(steps_bytes, np.int64)
-    ref = np.full((len(steps), len(references)), np.nan)
-    for j, t in enumerate(references):
-        pos = np.searchsorted(t.steps, steps)
-        hit = pos < len(t.steps)
-        hit[hit] = t.steps[pos[hit]] == steps[hit]
-        ref[hit, j] = t.values[pos[hit]]
-    ref[~np.isfinite(ref)] = np.nan  # a seed's NaN/inf leaves the band at that step
-    ok = np.isfinite(ref).any(axis=1)
-    w, half = config.window, config.window // 2 + 1
-    smooth = _rolling(ref, w, "median", half)
-    with _quiet():
-        center = np.nanmedian(smooth, axis=1)
-        resid = np.abs(ref - smooth)
-        pooled = np.nanmedian(resid, axis=1)
-        pooled_mean = np.nanmean(resid, axis=1)
-        noise = _MAD * _rolling(pooled, config.scale_window, "median")[:, 0]
-        fallback = _MEDIAN_SE * _rolling(pooled_mean, config.scale_window, "mean")[:, 0]
-        noise = np.where(noise > 0, noise, fallback)  # quantised metrics: MAD 0, mean abs deviation not
-        n_seeds = np.isfinite(smooth).sum(axis=1)
-        spread = _MAD * np.nanmedian(np.abs(smooth - center[:, None]), axis=1)
-        spread = np.where(n_seeds >= 2, spread, 0.0)
-        spread = _rolling(spread, config.scale_window, "median")[:, 0]
-        n_ref = _rolling(np.isfinite(ref).astype(float), w, "sum").mean(axis=1) if ref.shape[1] else None
-    return _RefPart(ref, ok, smooth, center, noise, spread, n_seeds, n_ref)
-
-
-def _band(rp: _RefPart, steps: np.ndarray, cand: np.ndarray, config: DivergenceConfig) -> Band:
-    w, half = config.window, config.window // 2 + 1
-    center, noise, n_seeds = rp.center, rp.noise, rp.n_seeds
-    with _quiet():
-        cand_f = np.where(np.isfinite(cand), cand, np.nan)
-        cand_smooth = _rolling(cand_f, w, "median", half)[:, 0]
-        n_cand = _rolling(np.isfinite(cand_f).astype(float), w, "sum")[:, 0]
-        n_ref = rp.n_ref if rp.n_ref is not None else n_cand
-        se = _MEDIAN_SE * noise * np.sqrt(1 / np.maximum(n_cand, 1) + 1 / np.maximum(n_ref * n_seeds, 1))
-        # The seeds' smoothed curves differ by their smoothing noise (already in `se`) and by how
-        # seeds wander; keep only the latter, for a new seed and for the centre's own error.
-        wander2 = np.maximum(rp.spread**2 - (_MEDIAN_SE * noise) ** 2 / np.maximum(n_ref, 1), 0.0)
-        spread = np.sqrt(wander2 * (1 + 1.0 / np.maximum(n_seeds, 1)))
-        half_width = config.k * np.sqrt(se**2 + spread**2)
-        half_width = np.maximum(half_width, np.maximum(config.min_delta, config.rel_delta * np.abs(center)))
-        half_width = np.maximum(half_width, 1e-12 * np.maximum(1.0, np.abs(center)))
-        # Never narrower than the seeds themselves: a candidate as far out as the farthest seed, plus
-        # the noise of comparing two rolling medians, is still a seed (few seeds underestimate spread).
-        se_one = _MEDIAN_SE * noise * np.sqrt(1 / np.maximum(n_cand, 1) + 1 / np.maximum(n_ref, 1))
-        upper = np.fmax(center + half_width, np.nanmax(rp.smooth, axis=1) + config.k * se_one)
-        lower = np.fmin(center - half_width, np.nanmin(rp.smooth, axis=1) - config.k * se_one)
-    return Band(steps, center, lower, upper, noise, cand_smooth)
-
-
-@contextmanager
-def _quiet():
-    """numpy warns on all-NaN slices (steps no reference logged); those steps are simply not compared."""
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
+    """The band on the candidate's compared steps; also the candidate's raw values and the
+    reference-finite mask (all True: only such steps are compared)."""
+    model, steps, raw, _cand, ct, center_t, _r = _residual(references, candidate, config)
+    half = model.noise.threshold[0] * model.noise.null_sd[0]
+    with quiet():
+        smooth = rolling(ct, config.windows[0], "median", center=False, min_periods=1)
+    band = Band(steps, _inverse(model, center_t), _inverse(model, center_t - half), _inverse(model, center_t + half),
+                np.full(len(steps), model.noise.sigma), _inverse(model, smooth))
+    return band, raw, np.ones(len(steps), bool)
 
 
 def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
@@ -239,70 +276,47 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     refs = [references] if isinstance(references, Trace) else list(references)
     if not refs:
         raise ValueError("detect_divergence needs at least one reference trace")
-    band, cand, ref_ok = compute_band(refs, candidate, config)
-    n = len(band.steps)
-    cand_bad = ~np.isfinite(cand) & ref_ok
-    first_bad = int(band.steps[np.flatnonzero(cand_bad)[0]]) if cand_bad.any() else None
-    compared = ref_ok & np.isfinite(band.candidate) & np.isfinite(band.center)
-    above = compared & (band.candidate > band.upper)
-    below = compared & (band.candidate < band.lower)
-
-    with _quiet():
-        resid = np.abs(np.where(np.isfinite(cand), cand, np.nan) - band.candidate)
-        cand_noise = _MAD * _rolling(resid, 2 * config.window + 1, "median", config.window)[:, 0]
-        noisy = compared & (cand_noise > config.var_ratio * band.noise) & (band.noise > 0)
-
-    found = []
-    for kind, mask in (("level", above), ("level", below), ("variance", noisy), ("nonfinite", cand_bad)):
-        i = _first_run(mask, min(config.persist, n))
-        if i is not None:
-            found.append((i, kind, mask))
-    if not found:
-        return Divergence(candidate.key, None, None, None, float("nan"), float("nan"), first_bad, int(compared.sum()),
-                          config.min_steps)
-    i0, kind, mask = min(found, key=lambda f: f[0])
-    if kind == "level" and i0 > 0:
-        i = _refine_onset(cand - band.center, i0, config.window)
-    elif kind == "level":
-        # Out from the first compared step: there is no "before" to fit a split to (a fit would move the
-        # onset to wherever the gap grows most), and the centred median already sees later steps. The
-        # onset is the first raw point outside the band on the departure's side.
-        side = cand > band.upper if mask is above else cand < band.lower
-        hits = np.flatnonzero(side[: config.window + 1])
-        i = int(hits[0]) if len(hits) else i0
-    else:
-        i = i0
-    back = _first_run(~mask[i0:], config.persist)  # back inside for `persist` steps: the departure ended
-    j = n if back is None else i0 + back
-    end_step = None if back is None else int(band.steps[j - 1])
-    seg = slice(i, j)
-    with _quiet():
-        delta = float(np.nanmedian((band.candidate - band.center)[seg])) if kind != "nonfinite" else float("nan")
-        noise = float(np.nanmedian(band.noise[seg]))
-    delta_sigma = delta / noise if noise > 0 and np.isfinite(delta) else float("nan")
-    return Divergence(candidate.key, int(band.steps[i]), kind, end_step, delta, delta_sigma, first_bad,
-                      int(compared.sum()), config.min_steps)
-
-
-def _refine_onset(dev: np.ndarray, i: int, window: int) -> int:
-    """The split of the raw deviation near `i` that best separates before from after (a CUSUM step
-    fit over +-`window` steps): a centred median can cross the band up to half a window early or late."""
-    lo, hi = max(0, i - window), min(len(dev), i + window + 1)
-    seg = dev[lo:hi]
-    ok = np.isfinite(seg)
-    if ok.sum() < 4:
-        return i
-    idx, x = np.flatnonzero(ok), seg[ok]
-    n = len(x)
-    csum = np.cumsum(x)
-    k = np.arange(1, n)  # split before element k
-    left, right = csum[:-1] / k, (csum[-1] - csum[:-1]) / (n - k)
-    score = np.abs(right - left) * np.sqrt(k * (n - k) / n)
-    return lo + int(idx[1:][np.argmax(score)])
+    model, steps, _raw, cand, ct, center_t, r = _residual(refs, candidate, config)
+    cand_bad = ~np.isfinite(cand)
+    first_bad = int(steps[np.flatnonzero(cand_bad)[0]]) if cand_bad.any() else None
+    compared = int(np.isfinite(r).sum())
+    with quiet():
+        stretches = scan(r, cand_bad, candidate_scale(ct, config.var_window), model.noise, config)
+    deps = []
+    center_m = _inverse(model, center_t)
+    sigma = model.noise.sigma
+    for s in stretches:
+        seg = slice(s.onset, (s.end + 1) if s.end is not None else len(steps))
+        with quiet():
+            ref_level = float(np.nanmedian(center_m[seg]))
+            if s.kind == "nonfinite":
+                c_level, delta, dsig = float("nan"), float("nan"), float("nan")
+            else:
+                c_level = float(np.nanmedian(cand[seg]))
+                delta = float(np.nanmedian((cand - center_m)[seg]))
+                if s.kind == "variance":
+                    scale = candidate_scale(ct, config.var_window)[seg]
+                    ref_scale = sigma * np.sqrt(2 * (1 - model.noise.phi))
+                    dsig = float(np.nanmedian(scale) / ref_scale) if ref_scale > 0 else float("nan")
+                else:
+                    dsig = float(np.nanmedian(r[seg]) / sigma) if sigma > 0 else float("inf") * np.sign(delta)
+        end = int(steps[s.end]) if s.end is not None else None
+        deps.append(Departure(s.kind, int(steps[s.onset]), int(steps[min(s.alert, len(steps) - 1)]), end,
+                              c_level, ref_level, delta, dsig))
+    bar = model.noise.threshold[-1] * model.noise.null_sd[-1]
+    with quiet():
+        detectable = float(np.nanmedian(np.abs(_inverse(model, center_t + bar) - center_m))) if len(steps) else float("nan")
+    if not deps:
+        return Divergence(candidate.key, None, None, None, float("nan"), float("nan"), first_bad, compared,
+                          config.min_steps, detectable=detectable)
+    d0 = deps[0]
+    return Divergence(candidate.key, d0.onset_step, d0.kind, d0.end_step, d0.delta,
+                      d0.delta_sigma if d0.kind == "level" else float("nan"), first_bad, compared,
+                      config.min_steps, d0.alert_step, tuple(deps), detectable)
 
 
 DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
-                      "first_nonfinite_step", "steps_compared", "steps_needed", "status"]
+                      "first_nonfinite_step", "steps_compared", "steps_needed", "alert_step", "detectable", "status"]
 
 
 def compare_runs(histories: Histories, reference_ids: Sequence[str], candidate_ids: Sequence[str],

@@ -73,16 +73,17 @@ def test_report_headlines_nan_first_and_never_within_on_too_few_steps(store_uri)
     md_line = _line_of(report.markdown, "grpo-nan")
     for line in (printed, md_line):
         assert line.startswith("grpo-nan: non-finite gradients from step 4 (5 steps)"), line
-        assert f"not enough steps (8 compared, {NEEDED} needed)" in line
+        assert f"not enough steps (4-8 compared, {NEEDED} needed)" in line
         assert f"{K.KL_REF} (last logged at step 4)" in line and f"{K.ENTROPY} (last logged at step 4)" in line
-        assert "not compared: " in line and K.GRAD_NORM in line.split("not compared: ")[1]  # 3 finite points
+        assert f"{K.GRAD_NORM} leaves the reference band at step 4 (nonfinite" in line  # NaN where the reference is finite
     assert "<li>grpo-nan: non-finite gradients from step 4" in report.html
     for text in (report.markdown, report.html, printed):
         assert "within the reference band" not in text and "within the band" not in text
-    # every comparison is thin: 8 steps (or fewer) against the 15 a departure needs
+    # every other comparison is thin: 8 steps (or fewer) against the 18 "within" needs
     div = report.divergence.set_index("key")
-    assert set(div["status"]) == {"not_enough_steps"}
-    assert div.loc[K.KL_REF, "steps_compared"] == 0 and div.loc[K.LOSS, "steps_compared"] == 8
+    assert div.loc[K.GRAD_NORM, "status"] == "diverged" and div.loc[K.GRAD_NORM, "kind"] == "nonfinite"
+    assert set(div.drop(K.GRAD_NORM)["status"]) == {"not_enough_steps"}
+    assert div.loc[K.KL_REF, "steps_compared"] == 4 and div.loc[K.LOSS, "steps_compared"] == 8
     assert report.summaries[0].status == "nonfinite" and report.summaries[0].first_nonfinite_step == NAN_FROM
 
 
@@ -95,7 +96,7 @@ def test_report_tables_print_nan_and_mark_the_metric_that_stopped(store_uri):
     assert [c.strip() for c in row.strip("|").split("|")][1:4] == ["5", "4-8", "NaN"]  # steps, at steps, grad norm
     thin = md.split("### Divergence from the references", 1)[1].split("\n### ", 1)[0]
     [kl] = [ln for ln in thin.splitlines() if ln.startswith("| grpo-nan | policy/kl\\_ref")]
-    assert "not compared (0 steps)" in kl and "last logged at step 4" in kl
+    assert f"not enough steps (4 compared, {NEEDED} needed)" in kl and "last logged at step 4" in kl
     [loss] = [ln for ln in thin.splitlines() if ln.startswith("| grpo-nan | loss")]
     assert f"not enough steps (8 compared, {NEEDED} needed)" in loss
     page = report.html

@@ -1,0 +1,304 @@
+"""The departure test behind `detect_divergence`: a causal scan of the candidate against a noise model
+learnt from the references.
+
+Why this shape (measured on `bench.divergence_rl`, RL-like noise):
+- RL curves are autocorrelated (AR(1) phi up to ~0.85): a band that treats neighbouring points as
+  independent underestimates how far a run of points wanders and fires on one seed in six. The null
+  variance of a window's median is computed from the references' own autocorrelation (a structure
+  function of their residuals), so persistence means what it says under correlated noise.
+- Spikes and short bursts happen in every run: the test is on trailing medians of at least
+  `windows[0]` points (a burst of fewer than half a window cannot move them), and the threshold of each
+  window rises above the largest value the references' own residuals reach on it (self-calibrating:
+  a reference with 4-step bursts makes the 5-point window demand more).
+- Seeds differ by a slow wander and a level offset: a window's null variance has a floor, the
+  seed-to-seed spread, estimated from the references' smoothed curves (shrunk towards a prior of
+  `seed_spread` noise sd, which is all a single reference can give).
+- Positive heavy-tailed metrics (KL, clip rate, grad norm) are compared as logs, where their noise is
+  symmetric, when all reference values are positive and the log is the less skewed scale.
+- Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
+  departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
+  reports it at. The onset is placed after the fact by a CUSUM split before the alert.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from rldiag.app.data.trace import Trace
+
+_MAD = 1.4826  # MAD -> standard deviation for normal noise
+
+
+def median_var(phi: float) -> float:
+    """Variance of a window's median / of its mean: pi/2 for independent normal points, nearer 1 the
+    more alike neighbours are (simulated: 1.49, 1.27, 1.18, 1.09 at phi 0, 0.3, 0.6, 0.85)."""
+    return 1.0 + 0.5 * (1.0 - phi)
+MAX_FLOAT = float(np.finfo(np.float64).max)  # MLflow's stand-in for inf
+
+
+@contextmanager
+def quiet():
+    """numpy warns on all-NaN slices (steps no reference logged); those steps are simply not compared."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def finite_values(values: np.ndarray) -> np.ndarray:
+    """Values with MLflow's max-float stand-ins read as inf and every non-finite value as NaN."""
+    v = np.asarray(values, float)
+    return np.where(np.isfinite(v) & (np.abs(v) < MAX_FLOAT), v, np.nan)
+
+
+def rolling(a: np.ndarray, w: int, how: str, *, center: bool, min_periods: int = 1) -> np.ndarray:
+    frame = pd.DataFrame(a)
+    r = frame.rolling(w, center=center, min_periods=min(min_periods, w))
+    out = getattr(r, how)().to_numpy()
+    return out[:, 0] if np.ndim(a) == 1 else out
+
+
+def _mad(x: np.ndarray) -> float:
+    x = x[np.isfinite(x)]
+    if len(x) < 2:
+        return float("nan")
+    return float(_MAD * np.median(np.abs(x - np.median(x))))
+
+
+class NoiseModel(NamedTuple):
+    """What the references say about the noise, in the compared scale (log for positive skewed metrics)."""
+
+    log: bool  # compared as log(value)
+    sigma: float  # point noise, one sd (robust)
+    phi: float  # lag-1 autocorrelation of the noise (AR(1) fit)
+    spread: float  # sd of the seed-to-seed slow difference (wander and offset) of one seed
+    n_seeds: int
+    null_sd: tuple[float, ...]  # per trailing window: sd of (candidate median - centre) under no change
+    threshold: tuple[float, ...]  # per trailing window, in null sd (>= k; raised by the references' bursts)
+    ref_nonfinite: bool  # some reference logs non-finite values itself
+
+
+def ar_mean_var(m: int, phi: float) -> float:
+    """Variance of the mean of `m` consecutive points of unit-variance AR(1) noise."""
+    if phi <= 0:
+        return 1.0 / m
+    d = np.arange(1, m)
+    return float((m + 2 * np.sum((m - d) * phi**d)) / m**2)
+
+
+def _skew(x: np.ndarray) -> float:
+    x = x[np.isfinite(x)]
+    if len(x) < 8:
+        return 0.0
+    q10, q50, q90 = np.quantile(x, [0.1, 0.5, 0.9])
+    return float((q90 + q10 - 2 * q50) / (q90 - q10)) if q90 > q10 else 0.0
+
+
+def _use_log(refs: np.ndarray, detrend: int) -> bool:
+    """Positive metrics whose residuals are less skewed as logs (KL, clip rate, grad norm)."""
+    ok = refs[np.isfinite(refs)]
+    if len(ok) < 8 or ok.min() <= 0:
+        return False
+    raw = refs - rolling(refs, detrend, "median", center=True)
+    lg = np.log(refs)
+    lgr = lg - rolling(lg, detrend, "median", center=True)
+    return abs(_skew(lgr.ravel())) + 0.05 < abs(_skew(raw.ravel()))
+
+
+def transform(values: np.ndarray, log: bool, floor: float) -> np.ndarray:
+    """The compared scale; a value <= 0 where the references are positive becomes far below them."""
+    if not log:
+        return values
+    with quiet():
+        return np.log(np.where(values > 0, values, floor))
+
+
+@dataclass(frozen=True)
+class RefModel:
+    """The references on their own step grid: smoothed centre, noise model (cached per references+config)."""
+
+    steps: np.ndarray
+    values: np.ndarray  # (steps x seeds), compared scale, NaN where missing or non-finite
+    center: np.ndarray  # compared scale
+    log_floor: float
+    noise: NoiseModel
+
+
+def _trailing_median(x: np.ndarray, m: int) -> np.ndarray:
+    """Median of the last `m` finite points up to each index (NaN until a window is 60% full)."""
+    return rolling(x, m, "median", center=False, min_periods=max(1, int(np.ceil(0.6 * m))))
+
+
+@functools.lru_cache(maxsize=32)
+def reference_model(references: tuple[Trace, ...], config) -> RefModel:
+    steps = np.unique(np.concatenate([t.steps for t in references])) if references else np.empty(0, np.int64)
+    raw = np.full((len(steps), len(references)), np.nan)
+    ref_nonfinite = False
+    for j, t in enumerate(references):
+        pos = np.searchsorted(steps, t.steps)
+        v = finite_values(t.values)
+        ref_nonfinite |= bool(np.isnan(v).any() and len(v))
+        raw[pos, j] = v
+    with quiet():
+        log = _use_log(raw, config.detrend_window)
+        pos_min = np.nanmin(np.where(raw > 0, raw, np.nan)) if log else 1.0
+        log_floor = float(pos_min) / 10 if log else 1.0
+        vals = transform(raw, log, log_floor)
+        smooth = rolling(vals, config.window, "median", center=True, min_periods=config.window // 2 + 1)
+        center = np.nanmedian(smooth, axis=1)
+        # Point noise and its autocorrelation from each seed's residual around a wide smooth (trend out):
+        # structure function D(h) = robust variance of x[t+h] - x[t]; AR(1): D(2)/D(1) = 1 + phi.
+        wide = rolling(vals, config.detrend_window, "median", center=True, min_periods=1)
+        resid = vals - wide
+        # sigma: robust sd of the residual; phi from the lag-1 structure function D(1) = 2 sigma^2 (1 - phi)
+        # (steadier than a ratio of two structure-function values).
+        s2 = np.nanmedian([_mad(resid[:, j]) ** 2 for j in range(vals.shape[1])])
+        d1 = np.nanmedian([_mad(np.diff(resid[:, j])) ** 2 for j in range(vals.shape[1])])
+        if not np.isfinite(s2) or s2 <= 0:  # quantised metrics: MAD 0; mean absolute deviation then
+            dev = np.abs(resid)
+            s2 = float(np.nanmean(dev) * 1.2533) ** 2 if np.isfinite(dev).any() else 0.0
+            diffs = np.abs(np.diff(resid, axis=0))
+            d1 = float(np.nanmean(diffs) * 1.2533) ** 2 if np.isfinite(diffs).any() else 0.0
+        phi = float(np.clip(1 - d1 / (2 * s2), 0.0, 0.95)) if s2 > 0 and np.isfinite(d1) else 0.0
+        sigma = float(np.sqrt(s2)) if s2 > 0 else 0.0
+        n = vals.shape[1]
+        # Seed-to-seed spread: each seed's wide smooth around the seeds' median, noise of that smooth out.
+        if n >= 2:
+            wide_c = np.nanmedian(wide, axis=1)
+            dev = wide - wide_c[:, None]
+            est = float(np.nanmean(dev**2) * n / (n - 1)) if np.isfinite(dev).any() else 0.0
+            est = max(est - sigma**2 * ar_mean_var(config.detrend_window, phi), 0.0)
+        else:
+            est = 0.0
+        prior, k0 = (config.seed_spread * sigma) ** 2, config.seed_spread_weight
+        spread = float(np.sqrt(((n - 1) * est + k0 * prior) / (n - 1 + k0)))
+        scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
+        center_var = median_var(phi) * sigma**2 * ar_mean_var(config.window, phi) / max(n, 1)
+        null_sd, thresholds = [], []
+        for m in config.windows:
+            v = median_var(phi) * sigma**2 * ar_mean_var(m, phi) + center_var + spread**2 * (1 + 1 / max(n, 1))
+            sd = max(float(np.sqrt(v)), config.min_delta / config.k, 1e-9 * max(1.0, scale_of_level))
+            null_sd.append(sd)
+            # Self-calibration: the largest |trailing median| each seed's own residual reaches on this window
+            # (bursts, heavy tails) sets the bar for a candidate of the same configuration.
+            own_sd = np.sqrt(median_var(phi) * sigma**2 * ar_mean_var(m, phi))
+            top = 0.0
+            if own_sd > 0:
+                for j in range(n):
+                    tm = _trailing_median(resid[:, j], m)
+                    if np.isfinite(tm).any():
+                        top = max(top, float(np.nanmax(np.abs(tm))) / own_sd)
+            # Short windows are tested many more times a run than long ones (and feel heavy tails more):
+            # their bar rises by `k_per_halving` for each halving below the longest window.
+            k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
+            thresholds.append(max(k_m, config.calibration_margin * top * own_sd / sd if sd > 0 else k_m))
+    noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), tuple(thresholds), ref_nonfinite)
+    return RefModel(steps, vals, center, log_floor, noise)
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """One stretch where the candidate is outside the references' noise (indices into the compared steps)."""
+
+    kind: str  # "level", "variance" or "nonfinite"
+    onset: int  # index (into the compared steps) where it starts, placed after the fact
+    alert: int  # index at which a causal scan first reports it (a watcher polling every step)
+    end: int | None  # last index of it; None while it lasts to the candidate's end
+    sign: int  # +1 above, -1 below (0 for variance / nonfinite)
+    window: int  # the trailing window that reported it
+
+
+def _cusum_onset(r: np.ndarray, alert: int, level: float, lookback: int) -> int:
+    """Where the stretch ending at `alert` starts: the split maximising the CUSUM of (r - level/2)."""
+    lo = max(0, alert - lookback)
+    seg = r[lo:alert + 1] * np.sign(level)
+    ok = np.isfinite(seg)
+    if ok.sum() < 2:
+        return alert
+    x = np.clip(np.where(ok, seg, 0.0) - abs(level) / 2, -abs(level), abs(level))
+    x[~ok] = 0.0
+    tail = np.cumsum(x[::-1])[::-1]  # tail[s] = sum of x[s:]
+    return lo + int(np.argmax(tail))
+
+
+def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, noise: NoiseModel,
+         config) -> list[Stretch]:
+    """Every departure of the residual `r` (candidate - centre, compared scale) in order of time.
+
+    `cand_bad`: candidate non-finite where a reference is finite; `cand_resid_scale`: trailing robust
+    scale of the candidate's first differences (for variance departures)."""
+    n = len(r)
+    windows = [m for m in config.windows]
+    z = []
+    with quiet():
+        for m, sd in zip(windows, noise.null_sd):
+            z.append(_trailing_median(r, m) / sd)
+    out: list[Stretch] = []
+    # Level departures: any window beyond its threshold; each stretch ends once the reporting window
+    # is back under half its threshold for as many steps as the window is long.
+    i = 0
+    out_mask = np.zeros(n, bool)
+    while i < n:
+        hit = None
+        for wi, (m, zz, th) in enumerate(zip(windows, z, noise.threshold)):
+            if m > max(int(np.isfinite(r[: n]).sum()), 0):
+                continue
+            idx = np.flatnonzero(np.abs(np.nan_to_num(zz[i:], nan=0.0)) > th)
+            if len(idx) and (hit is None or i + idx[0] < hit[0]):
+                hit = (i + int(idx[0]), wi)
+        if hit is None:
+            break
+        a, wi = hit
+        m, zz, th = windows[wi], z[wi], noise.threshold[wi]
+        sign = int(np.sign(zz[a]))
+        level = float(zz[a] * noise.null_sd[wi])
+        onset = max(i, _cusum_onset(r, a, level, lookback=4 * m + config.window))
+        inside = np.nan_to_num(zz[a:] * sign, nan=0.0) < th / 2
+        c = np.concatenate([[0], np.cumsum(inside)])
+        full = np.flatnonzero((c[m:] - c[:-m]) == m) if len(inside) >= m else np.empty(0, int)
+        if len(full):
+            end = a + int(full[0]) - 1
+            end = max(end, a)
+            out.append(Stretch("level", onset, a, end, sign, m))
+            out_mask[onset:end + 1] = True
+            i = end + 1
+        else:
+            out.append(Stretch("level", onset, a, None, sign, m))
+            out_mask[onset:] = True
+            break
+    # Variance: the candidate's own step-to-step noise `var_ratio` times the references'. A noisier
+    # candidate also moves its medians: level stretches inside a variance stretch are that, not a shift.
+    ref_scale = noise.sigma * np.sqrt(2 * (1 - noise.phi))
+    if ref_scale > 0:
+        noisy = cand_resid_scale > config.var_ratio * ref_scale
+        hits = np.flatnonzero(noisy)
+        if len(hits):
+            a = int(hits[0])
+            onset = max(0, a - config.var_window // 2)
+            back = np.flatnonzero(~noisy[a:])
+            end = None if not len(back) else a + int(back[0]) - 1
+            last = n if end is None else end + config.var_window
+            out = [d for d in out if not (onset - config.var_window <= d.onset <= last)]
+            out.append(Stretch("variance", onset, a, end, 0, config.var_window))
+    # Non-finite: where the references are finite; one step suffices unless references go non-finite too.
+    need = config.nonfinite_persist if noise.ref_nonfinite else 1
+    c = np.concatenate([[0], np.cumsum(cand_bad)])
+    full = np.flatnonzero((c[need:] - c[:-need]) == need) if n >= need else np.empty(0, int)
+    if len(full):
+        s = int(full[0])
+        back = np.flatnonzero(~cand_bad[s:])
+        end = None if not len(back) else s + int(back[0]) - 1
+        out.append(Stretch("nonfinite", s, s + need - 1, end, 0, need))
+    return sorted(out, key=lambda d: (d.onset, d.alert))
+
+
+def candidate_scale(cand: np.ndarray, window: int) -> np.ndarray:
+    """Trailing robust sd of the candidate's first differences over `window` points (NaN until 2/3 full)."""
+    d = np.abs(np.diff(cand, prepend=np.nan))
+    return _MAD * rolling(d, window, "median", center=False, min_periods=max(3, 2 * window // 3))
