@@ -50,7 +50,7 @@ def _client_call(uri: str, what: str, fn):
     except Exception as e:  # noqa: BLE001 - MLflow and connection errors come in many types
         first = redact_text(str(e).splitlines()[0]) if str(e) else ""
         raise StoreUnreachable(f"{what} in {uri!r} failed: {type(e).__name__}: {first}. "
-                               "Check the tracking URI (sidebar) or MLFLOW_TRACKING_URI.") from None
+                               "Check the tracking URI (rldiag app --tracking-uri, or MLFLOW_TRACKING_URI).") from None
 
 
 @st.cache_data(ttl=RUNS_TTL_S, max_entries=16, show_spinner=False)

@@ -180,14 +180,19 @@ def test_an_unclassified_uri_is_one_line_naming_it_and_what_works(uri):
 
 
 # ---- who picks the store -------------------------------------------------------------------------
-def test_the_sidebar_has_no_uri_box_and_shows_only_the_store_it_was_started_with(store, monkeypatch):
-    at = dashboard(f"sqlite:///{store}", monkeypatch)
-    assert not at.exception
-    assert len(at.text_input) == 0  # no widget on the page takes text: nothing typed names a file or URL
+@pytest.mark.parametrize("page", ["runs", "compare", "nan-events", "config-diff"])
+def test_no_page_has_a_text_box_and_the_sidebar_offers_only_the_store_s_experiments(store, monkeypatch, page):
+    at = dashboard(f"sqlite:///{store}", monkeypatch, page)
+    assert not at.exception, [e.value for e in at.exception]
+    # No widget takes free text, so nothing a visitor types can name a file or a URL.
+    assert len(at.text_input) == 0 and len(at.text_area) == 0 and len(at.chat_input) == 0
     assert at.sidebar.selectbox(key="sidebar.experiment").options == ["Default", "ro"]
-    # The environment alone does not open the box on a server bound beyond localhost.
-    at = dashboard(f"sqlite:///{store}", monkeypatch, allow="1", address="0.0.0.0")
-    assert len(at.text_input) == 0
+
+
+def test_the_uri_box_stays_closed_on_a_network_address_whatever_the_environment(store, monkeypatch):
+    for address in ("0.0.0.0", None, "10.0.0.5"):  # None: Streamlit's default, every interface
+        at = dashboard(f"sqlite:///{store}", monkeypatch, allow="1", address=address)
+        assert not at.exception and len(at.text_input) == 0, address
 
 
 def test_with_allow_uri_input_on_localhost_a_typed_bad_uri_is_one_line(store, monkeypatch):
