@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="your trainer resets vLLM's prefix cache after each weight push (llm.reset_prefix_cache())")
     p.add_argument("--worst", type=int, default=d["worst"].default, help="worst tokens to list")
     p.add_argument("--seed", type=int, default=d["seed"].default, help="prompts, sampling and the weight push")
+    p.add_argument("--trainer-device", default=d["trainer_device"].default, metavar="DEVICE",
+                   help="where the float32 recompute runs (cpu, cuda, cuda:1); with cuda, lower vLLM's "
+                        "gpu_memory_utilization so both fit")
     p.add_argument("--out", default=".", metavar="DIR", help="write preflight.json and preflight.md into DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -76,7 +79,7 @@ def config_from_args(args: argparse.Namespace):
         samples=args.samples, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
         prompts_file=Path(args.prompts_file) if args.prompts_file else None, knobs=knobs,
         max_mismatch=args.max_mismatch, push_scale=args.push_scale, reset_cache_on_push=args.reset_cache_on_push,
-        worst=args.worst, seed=args.seed)
+        worst=args.worst, seed=args.seed, trainer_device=args.trainer_device)
 
 
 def run(args: argparse.Namespace) -> int:

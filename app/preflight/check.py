@@ -113,7 +113,7 @@ class Trainer:
 
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(cfg.trainer_device).eval()
         self.pushed = push_weights(self.model, cfg.push_scale, cfg.seed)
         self.prompts = self._prompts()
         self.seeds = [cfg.seed * 1_000_003 + i for i in range(len(self.prompts))]
@@ -138,7 +138,7 @@ class Trainer:
         c = self.cfg
         how = {"processed": {"temperature": c.temperature, "top_k": c.top_k or None, "top_p": c.top_p},
                "temperature": {"temperature": c.temperature}, "raw": {}}[c.trainer_logprobs]
-        return recompute_logprobs(self.pushed if pushed else self.model, batch, **how)
+        return recompute_logprobs(self.pushed if pushed else self.model, batch, **how).cpu()
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if token_id >= 0 else ""
@@ -150,8 +150,8 @@ def push_weights(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Mo
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in pushed.parameters():
-            if p.dim() >= 2:
-                p.add_(torch.randn(p.shape, generator=gen) * (scale * float(p.std())))
+            if p.dim() >= 2:  # noise drawn on the CPU: the same push on every device
+                p.add_((torch.randn(p.shape, generator=gen) * (scale * float(p.std()))).to(p.device))
     return pushed
 
 

@@ -6,6 +6,7 @@ Everything here is validated before any engine starts, so bad input costs no eng
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ class PreflightConfig:
     reset_cache_on_push: bool = False  # whether the user's trainer resets vLLM's prefix cache after a push
     worst: int = 5  # worst tokens to list
     seed: int = 0  # prompts, sampling seeds and the weight push
+    trainer_device: str = "cpu"  # where the float32 recompute runs ("cuda": leave vLLM room, gpu_memory_utilization)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -69,6 +71,8 @@ class PreflightConfig:
         for name in ("num_prompts", "samples", "prompt_len", "max_tokens", "worst"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
+        if not re.fullmatch(r"cpu|mps|(cuda|xpu)(:\d+)?", self.trainer_device):
+            raise ValueError(f"--trainer-device {self.trainer_device!r}: cpu, cuda, cuda:N (or mps, xpu)")
         if self.prompts_file is not None and not self.prompts_file.is_file():
             raise ValueError(f"--prompts-file {self.prompts_file}: no such file (one prompt per line)")
 
