@@ -365,7 +365,7 @@ def likely_causes(histories: Histories, configs: Mapping[str, object], reference
     out = []
     for cand in candidate_ids:
         mine = params(cand)
-        diffs = S.differing(mine, ref_params) if ref_params else {}  # no reference: nothing differs from one
+        diffs = S.differing(mine, ref_params) if ref_params and mine else {}  # nothing to compare: no difference
         start = first_step(histories, cand)
         found = [d for d in getattr(by_summary.get(cand), "departures", ())
                  if d.kind != "nonfinite" and start is not None and d.onset_step > start]

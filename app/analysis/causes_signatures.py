@@ -9,7 +9,8 @@ Each signature has a physical threshold, not one fitted to an experiment:
   near 0), a different distribution on one side (raw vs processed, temperature on one side only)
   shifts every sampled token the same way (ratio near 1); `ONE_SIGNED` = 0.5 splits the two;
 - departure after updates: a candidate value farther from the reference seeds than their own range
-  plus their step-to-step wiggle, on `PERSIST_AFTER` consecutive steps after the first.
+  plus their step-to-step wiggle, on `PERSIST_AFTER` consecutive steps after the first, and on at
+  least half of the steps from there to the end (it lasts, as a changed optimizer setting does).
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def _value(h: Histories, run: str, key: str, step: int) -> float | None:
         return None
     i = int(np.searchsorted(t.steps, step))
     return float(t.values[i]) if i < len(t.steps) and t.steps[i] == step else None
+
+
+def _on(t, steps: np.ndarray) -> np.ndarray:
+    """`t`'s values at `steps` (NaN where it has none), vectorised."""
+    out = np.full(len(steps), np.nan)
+    if t is None or not len(t):
+        return out
+    pos = np.minimum(np.searchsorted(t.steps, steps), len(t.steps) - 1)
+    hit = t.steps[pos] == steps
+    out[hit] = t.values[pos[hit]]
+    return out
 
 
 def first_step(h: Histories, run: str) -> int | None:
@@ -84,9 +96,13 @@ class Parity:
         return self.holds and self.later_steps > 0 and 2 * self.later_over > self.later_steps
 
 
-def _tol(h: Histories, refs: Sequence[str], step: int) -> float:
-    vals = [v for r in refs if (v := _value(h, r, K.MISMATCH_LOGPROB_MEAN, step)) is not None and math.isfinite(v)]
-    return max(PARITY_TOL, REF_FACTOR * max(vals)) if vals else PARITY_TOL
+def _tol(h: Histories, refs: Sequence[str], steps: np.ndarray) -> np.ndarray:
+    """The parity tolerance at each of `steps`: PARITY_TOL, or REF_FACTOR x the references' largest mismatch."""
+    tol = np.full(len(steps), PARITY_TOL)
+    for r in refs:
+        v = _on(h.get(r, K.MISMATCH_LOGPROB_MEAN), steps)
+        tol = np.fmax(tol, np.where(np.isfinite(v), REF_FACTOR * v, np.nan))
+    return tol
 
 
 def parity(h: Histories, run: str, refs: Sequence[str]) -> Parity | None:
@@ -94,13 +110,14 @@ def parity(h: Histories, run: str, refs: Sequence[str]) -> Parity | None:
     t = h.get(run, K.MISMATCH_LOGPROB_MEAN)
     if t is None or not len(t):
         return None
-    s0 = int(t.steps[0])
-    later = [(int(s), float(v)) for s, v in zip(t.steps[1:], t.values[1:])]
-    over = [s for s, v in later if not (math.isfinite(v) and v <= _tol(h, refs, s))]
-    vals = [v for _, v in later if math.isfinite(v)]
-    return Parity(s0, s0 == first_step(h, run), float(t.values[0]), _tol(h, refs, s0),
-                  _value(h, run, K.KL_NEW_OLD_K1, s0), _value(h, run, K.RATIO_MEAN, s0), len(later), len(over),
-                  over[0] if over else None, float(np.median(vals)) if vals else math.nan)
+    tol = _tol(h, refs, t.steps)
+    s0, v = int(t.steps[0]), t.values
+    out = ~(np.isfinite(v[1:]) & (v[1:] <= tol[1:]))
+    over = t.steps[1:][out]
+    later = v[1:][np.isfinite(v[1:])]
+    return Parity(s0, s0 == first_step(h, run), float(v[0]), float(tol[0]), _value(h, run, K.KL_NEW_OLD_K1, s0),
+                  _value(h, run, K.RATIO_MEAN, s0), len(v) - 1, int(out.sum()), int(over[0]) if len(over) else None,
+                  float(np.median(later)) if len(later) else math.nan)
 
 
 @dataclass(frozen=True)
@@ -126,29 +143,25 @@ def departures_after_updates(h: Histories, run: str, refs: Sequence[str],
         if c is None or len(c) < PERSIST_AFTER + 1 or not rs:
             continue
         wiggle = float(np.nanmedian(np.concatenate([np.abs(np.diff(t.values)) for t in rs])))
-        streak: list[tuple[int, float, float, float]] = []
-        for s, v in zip(c.steps.tolist(), c.values.tolist()):
-            if s == start:
-                continue
-            at = [x for t in rs if (x := _at(t, s)) is not None and math.isfinite(x)]
-            if not at or not math.isfinite(v):
-                streak = []
-                continue
-            lo, hi = min(at), max(at)
-            width = max(hi - lo, wiggle, 1e-12 * max(1.0, abs(hi)))
-            if v < lo - width or v > hi + width:
-                streak.append((s, v, lo - width, hi + width))
-                if len(streak) == PERSIST_AFTER:
-                    out.append(Departure(key, *streak[0]))
-                    break
-            else:
-                streak = []
+        keep = c.steps != start
+        steps, v = c.steps[keep], c.values[keep]
+        with np.errstate(all="ignore"):
+            at = np.stack([_on(t, steps) for t in rs])
+            at[~np.isfinite(at)] = np.nan
+            seen = np.isfinite(at).any(axis=0)
+            lo, hi = np.nanmin(np.where(seen, at, 0.0), axis=0), np.nanmax(np.where(seen, at, 0.0), axis=0)
+            width = np.maximum(np.maximum(hi - lo, wiggle if math.isfinite(wiggle) else 0.0),
+                               1e-12 * np.maximum(1.0, np.abs(hi)))
+            outside = seen & np.isfinite(v) & ((v < lo - width) | (v > hi + width))
+        run_len = np.convolve(outside.astype(int), np.ones(PERSIST_AFTER, int), "valid")
+        # ... and it lasts: outside on at least half the steps from there to the end (a long run's noise
+        # makes a few outside steps in a row somewhere; a changed optimizer moves the rest of the run)
+        rest = np.cumsum(outside[::-1])[::-1][: len(run_len)] / (len(outside) - np.arange(len(run_len)))
+        hits = np.flatnonzero((run_len == PERSIST_AFTER) & (rest >= 0.5))
+        if len(hits):
+            i = int(hits[0])
+            out.append(Departure(key, int(steps[i]), float(v[i]), float(lo[i] - width[i]), float(hi[i] + width[i])))
     return sorted(out, key=lambda d: d.step)
-
-
-def _at(t, step: int) -> float | None:
-    i = int(np.searchsorted(t.steps, step))
-    return float(t.values[i]) if i < len(t.steps) and t.steps[i] == step else None
 
 
 @dataclass(frozen=True)
