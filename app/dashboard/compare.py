@@ -129,6 +129,9 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     h = loaded.histories
     divs = data.divergences(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys)) if refs and cands else {}
 
+    # At a glance first (one line per page, the charts right under it: above the fold at 1280x800), then
+    # each candidate's lines in full; filled in below, once everything is computed.
+    glance, board = st.container(), st.container()
     st.subheader("Where candidates leave the reference")
     if not refs:
         st.info("Pick a reference run in the sidebar to see where candidates depart from it.")
@@ -145,16 +148,35 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         else:
             _divergence_summary(table, summaries, sel.labels, band, causes)
 
-    colors = run_colors(run_ids, refs, order=run_order(sel.runs))  # from the run, not its place in the pick
-    labels = tuple((r, sel.labels[r]) for r in run_ids)
-    shown = [k for k in metric_keys if h.for_key(k, run_ids)]
-    missing = [k for k in metric_keys if k not in shown]
-    if missing:
-        st.caption(f"No picked run logged: {escape_md(', '.join(missing))}.")
-    if shown:
-        figure = data.grid(loaded.stamp, h, tuple(shown), tuple(run_ids), labels, tuple(refs), tuple(colors.items()),
-                           divs, options)
-        chart_grid(figure, key="compare.charts", config=PLOT_CONFIG)
+    if refs and cands:
+        glance.markdown(glance_line(summarize(divs, h, refs, cands, metric_keys), sel.labels, len(refs)))
+    with board:
+        colors = run_colors(run_ids, refs, order=run_order(sel.runs))  # from the run, not its place in the pick
+        labels = tuple((r, sel.labels[r]) for r in run_ids)
+        shown = [k for k in metric_keys if h.for_key(k, run_ids)]
+        missing = [k for k in metric_keys if k not in shown]
+        if missing:
+            st.caption(f"No picked run logged: {escape_md(', '.join(missing))}.")
+        if shown:
+            figure = data.grid(loaded.stamp, h, tuple(shown), tuple(run_ids), labels, tuple(refs),
+                               tuple(colors.items()), divs, options)
+            chart_grid(figure, key="compare.charts", config=PLOT_CONFIG)
+
+
+def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:
+    """One Markdown line above the charts: how many candidates leave the reference and where each first
+    does (non-finite gradients first); the full lines follow the charts."""
+    band = f"the band of {n_refs} references" if n_refs > 1 else "the reference"
+    leaving = [s for s in summaries if s.nonfinite_steps or s.first is not None]
+    thin = [s for s in summaries if s not in leaving and not s.clean]
+    parts = []
+    for s in leaving:
+        where = nonfinite_text(s) or f"{s.first.key} from step {s.first.onset_step}"
+        parts.append(f"**{escape_md(labels[s.run_id])}**: {escape_md(where)}")
+    head = (f"**{len(leaving)} of {len(summaries)} candidates leave {band}**" if leaving
+            else f"**No candidate leaves {band}**")
+    tail = f"; {len(thin)} with too few steps to tell" if thin else ""
+    return head + (" — " + "; ".join(parts) if parts else "") + tail + ". Each candidate in full below the charts."
 
 
 def render() -> None:

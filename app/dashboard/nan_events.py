@@ -1,5 +1,10 @@
 """NaN events: per picked run, the steps with non-finite gradients, the parameters and the samples and
-tokens the alerts name (`rldiag.app.analysis.nan_events`); any run shows its steps, rldiag's alerts add the rest."""
+tokens the alerts name (`rldiag.app.analysis.nan_events`); any run shows its steps, rldiag's alerts add the rest.
+
+One row per run and episode of consecutive bad steps (`rldiag.app.report.nan_episodes`), as a static
+table whose text wraps (`html_table`: a data grid cuts long cells); every step of an episode in an
+expander under it.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,16 @@ import streamlit as st
 
 from rldiag.app.analysis.nan_events import nan_events, unchecked_steps, unchecked_text
 from rldiag.app.dashboard import data
+from rldiag.app.dashboard.html_table import html_table
 from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs
 from rldiag.app.data.histories import nonfinite_table
 from rldiag.app.report.content import fmt
+from rldiag.app.report.nan_episodes import Episode, nan_episodes
 from rldiag.collectors import keys
 
 GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.GRAD_FOUND, keys.LOSS)
+MAX_EXPANDERS = 50  # episodes with their per-step detail; the rest are in the table only
+MAX_STATIC_ROWS = 200  # a per-step detail longer than this is a (scrolling) data grid
 
 
 def event_table(sel: Selection, events: pd.DataFrame) -> pd.DataFrame:
@@ -24,6 +33,41 @@ def event_table(sel: Selection, events: pd.DataFrame) -> pd.DataFrame:
     out["grad_norm"] = [fmt(float(v)) for v in out["grad_norm"]]
     out["n_params"] = out["n_params"].astype("Int64")  # None where only the metrics tell
     return out.rename(columns={"grad_norm": "grad norm", "n_params": "# params", "positions": "samples / tokens"})
+
+
+def episode_table(sel: Selection, episodes: list[Episode]) -> pd.DataFrame:
+    """One row per episode, as the page shows it (a static table: its text wraps, nothing is cut)."""
+    return pd.DataFrame({
+        "run": [sel.labels[ep.run_id] for ep in episodes],
+        "steps": [ep.steps_text for ep in episodes],
+        "steps (count)": [len(ep.rows) for ep in episodes],
+        "grad norm": [ep.norm_text for ep in episodes],
+        "parameters": [ep.params_text for ep in episodes],
+        "samples / tokens": [ep.positions_text for ep in episodes],
+        "source": [ep.source_text for ep in episodes],
+    })
+
+
+def _episodes(sel: Selection, events: pd.DataFrame, h) -> None:
+    episodes = nan_episodes(events, h, list(sel.picked))
+    st.subheader("Steps with non-finite gradients")
+    st.markdown(html_table(episode_table(sel, episodes), numeric=("steps (count)",)), unsafe_allow_html=True)
+    st.caption("One row per run and stretch of consecutive non-finite steps; every step under it. `source`: "
+               "`alerts` from the run's rldiag/alerts.jsonl, `tag` from its last-alert tag (while it runs), "
+               "`metrics` from grad/finite or a NaN/inf grad norm (any trainer).")
+    for i, ep in enumerate(episodes[:MAX_EXPANDERS]):
+        with st.expander(f"{sel.labels[ep.run_id]}, steps {ep.steps_text}: every step", expanded=False):
+            if ep.same_params:
+                st.caption(f"Parameter tensors ({len(ep.params)}, at every step): " + escape_md(", ".join(ep.params)))
+            detail = event_table(sel, ep.rows).drop(columns=["run"])
+            if ep.same_params:
+                detail = detail.drop(columns=["params", "# params"])
+            if len(detail) <= MAX_STATIC_ROWS:
+                st.markdown(html_table(detail, numeric=("step", "grad norm")), unsafe_allow_html=True)
+            else:
+                st.dataframe(detail, hide_index=True, key=f"nan.episode.{i}")
+    if len(episodes) > MAX_EXPANDERS:
+        st.caption(f"{len(episodes) - MAX_EXPANDERS} more episodes: their steps are in the table above.")
 
 
 def render() -> None:
@@ -55,10 +99,7 @@ def render() -> None:
         st.success("No non-finite gradient in the picked runs (grad/finite and the grad norm are finite "
                    "at every logged step).", icon=":material/check:")
     else:
-        st.subheader("Steps with non-finite gradients")
-        st.dataframe(event_table(sel, events), hide_index=True, key="nan.events")
-        st.caption("`source`: `alerts` from the run's rldiag/alerts.jsonl, `tag` from its last-alert tag "
-                   "(while it runs), `metrics` from grad/finite or a NaN/inf grad norm (any trainer).")
+        _episodes(sel, events, h)
     other = nonfinite_table(h, ids)
     other = other[other["key"] != keys.GRAD_FINITE]
     if len(other):

@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import streamlit as st
 
-from rldiag.app.dashboard import compare, config_diff, nan_events, overview
+from rldiag.app.dashboard import compare, config_diff, config_table, html_table, nan_events, overview
 from rldiag.app.dashboard.selection import escape_md, render_sidebar
 from rldiag.app.errors import DataError
+
+# Layout fixes over Streamlit's defaults: the run chips in the sidebar wrap instead of cutting a run's
+# name; the main column starts closer to the top (6rem of padding pushed the first chart below the fold
+# of a 1280x800 window); the static tables (config_table, html_table).
+CSS = """
+[data-testid="stSidebar"] [data-tag] { max-width: 100%; height: auto; }
+[data-testid="stSidebar"] [data-tag] > span[title] { white-space: normal; overflow: visible; text-overflow: clip;
+  max-width: none; overflow-wrap: anywhere; }
+[data-testid="stMainBlockContainer"] { padding-top: 2.5rem; }
+""" + config_table.CSS + html_table.CSS
 
 PAGES = (  # (render function, title, url path, icon)
     (overview.render, "Runs", "runs", ":material/table_rows:"),
@@ -22,6 +32,7 @@ def main(start: str | None = None) -> None:
     """Draw the sidebar and the page the URL names; `start` (a url path, e.g. "compare") is the page a
     bare URL opens (default: the runs overview)."""
     st.set_page_config(page_title="rldiag", page_icon=":material/monitoring:", layout="wide")
+    st.html(f"<style>{CSS}</style>")
     try:
         render_sidebar()
     except DataError as e:

@@ -158,7 +158,7 @@ def _nan_events(c: ReportContent) -> str:
         shown = ep.rows.head(max(budget, 0))
         budget -= len(shown)
         names = ep.params
-        same = ", the same" in ep.params_text or ", at this step" in ep.params_text  # listed once above the steps
+        same = ep.same_params  # then listed once above the steps
         per_step = [([fmt(r["step"]), fmt(r["grad_norm"]), e(r["positions"] or "-")]
                      + ([] if same else [e(r["params"] or "-")]), "") for r in shown.to_dict("records")]
         header = ["step", "grad norm", "samples / tokens"] + ([] if same else ["parameters"])

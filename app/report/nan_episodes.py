@@ -73,6 +73,12 @@ class Episode:
                 f"({len(frozenset().union(*sets))} different){partial}")
 
     @property
+    def same_params(self) -> bool:
+        """Every step names the same parameter tensors (so they can be listed once for the episode)."""
+        named = [frozenset(x for x in str(p or "").split(", ") if x) for p in self.rows["params"]]
+        return bool(named[0]) and len(set(named)) == 1
+
+    @property
     def params(self) -> list[str]:
         """Every parameter tensor named in the episode, in the order first named."""
         return list(dict.fromkeys(x for p in self.rows["params"] for x in str(p or "").split(", ") if x))

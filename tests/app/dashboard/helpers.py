@@ -6,6 +6,7 @@ import base64
 import json
 
 import numpy as np
+import pandas as pd
 from streamlit.testing.v1 import AppTest
 
 from rldiag.app.dashboard.chart_grid import COMPONENT
@@ -69,3 +70,19 @@ def by_name(traces: list[dict]) -> dict[str, dict]:
 
 def unescape_md(text: str) -> str:
     return text.replace("\\", "").replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+
+
+def html_tables(elements) -> list[pd.DataFrame]:
+    """The static tables (rldiag.app.dashboard.html_table) among `elements` (e.g. `at.markdown`), as
+    DataFrames of the text they show (every cell a string)."""
+    import html as html_mod
+    import re
+
+    out = []
+    for el in elements:
+        for table in re.findall(r'<div class="rldiag-table"><table>(.*?)</table></div>', el.value):
+            heads = [html_mod.unescape(h) for h in re.findall(r"<th>(.*?)</th>", table)]
+            rows = [[html_mod.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", r)]
+                    for r in re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>", 1)[1])]
+            out.append(pd.DataFrame(rows, columns=heads))
+    return out

@@ -12,7 +12,7 @@ from rldiag.app.dashboard.selection import ALL_RUNS
 from rldiag.collectors import keys
 from tests.app.conftest import write_run
 from tests.app.dashboard.conftest import EVIL, INF_STEP, NAN_STEPS, SHIFT_AT
-from tests.app.dashboard.helpers import app, by_name, chart_specs, figures, unescape_md
+from tests.app.dashboard.helpers import app, by_name, chart_specs, figures, html_tables, unescape_md
 from tests.app.test_short_nan_runs import NAN_FROM, NEEDED, write_trl_runs
 from tests.conftest import free_port
 
@@ -58,7 +58,11 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
     assert abs(onset - SHIFT_AT) <= 3
     assert "diverges: v1 shifted" in by_name(figs[keys.KL_NEW_OLD])
     every = [t["name"] for ts in figs.values() for t in ts]
-    assert not [n for n in every if n.startswith("diverges: ") and n != "diverges: v1 shifted"]
+    # v1 shifted leaves the band; unmasked's NaN grad norm where the reference is finite is a nonfinite
+    # departure at once (the detector of 6b6419a), on grad/norm only; the seeds never leave it
+    onsets = {(title, t["name"]) for title, ts in figs.items() for t in ts if t["name"].startswith("diverges: ")}
+    assert {n for _, n in onsets} <= {"diverges: v1 shifted", "diverges: unmasked"}
+    assert {title for title, n in onsets if n == "diverges: unmasked"} <= {keys.GRAD_NORM}
     grad = by_name(figs[keys.GRAD_NORM])
     assert grad["unmasked NaN"]["x"].tolist() == list(NAN_STEPS)
     assert grad["unmasked +inf"]["x"].tolist() == [INF_STEP]
@@ -138,10 +142,15 @@ def test_compare_headlines_nan_first_on_two_short_trl_runs(store_uri, monkeypatc
 def test_nan_events_of_a_trl_run_print_nan_not_none(store_uri, monkeypatch):
     write_trl_runs(store_uri)
     at = app(store_uri, monkeypatch, "nan-events")
-    summary, events = at.dataframe[0].value, at.dataframe[1].value
+    summary = at.dataframe[0].value
     assert summary.set_index("run").loc["grpo-nan", "first step"] == str(NAN_FROM)
-    assert events["step"].tolist() == [4, 5, 6, 7, 8] and events["grad norm"].tolist() == ["NaN"] * 5
-    assert events["source"].unique().tolist() == ["metrics"]
+    # steps 4-8 are one episode: one row, its grad norm NaN at each of them
+    episodes, events = html_tables(at.markdown)  # the episodes, then the expander's table of every step
+    [episode] = episodes.to_dict("records")
+    assert (episode["run"], episode["steps"], episode["steps (count)"], episode["grad norm"]) == (
+        "grpo-nan", "4-8", "5", "NaN")
+    assert episode["source"] == "metrics" and episode["parameters"].startswith("not named")
+    assert events["step"].tolist() == ["4", "5", "6", "7", "8"] and events["grad norm"].tolist() == ["NaN"] * 5
 
 
 def test_compare_controls_delta_step_range_and_metric_choice(dash_store, monkeypatch):
@@ -160,34 +169,61 @@ def test_compare_controls_delta_step_range_and_metric_choice(dash_store, monkeyp
 
 def test_nan_events_lists_steps_parameters_and_tokens(dash_store, monkeypatch):
     at = app(dash_store.uri, monkeypatch, "nan-events")
-    summary, events = at.dataframe[0].value, at.dataframe[1].value
+    summary = at.dataframe[0].value
     assert summary.set_index("run").loc["unmasked", "non-finite steps"] == 4
     assert summary.set_index("run")["non-finite steps"].drop("unmasked").eq(0).all()
-    assert events["run"].unique().tolist() == ["unmasked"]
-    assert events["step"].tolist() == [*NAN_STEPS, INF_STEP]
-    tagged = events.set_index("step").loc[200]
-    assert tagged["source"] == "tag" and tagged["params"] == "model.embed.weight, model.lm_head.weight"
-    assert tagged["samples / tokens"] == "sample 1 token 3" and tagged["# params"] == 2
-    norms = events.set_index("step")["grad norm"]
-    assert norms.loc[INF_STEP] == "inf" and norms.loc[list(NAN_STEPS)].tolist() == ["NaN"] * 3  # never None
+    # NaN at 40, 41, 200 and inf at 250 with finite steps between: three episodes, one row each
+    episodes = html_tables(at.markdown)[0]
+    assert episodes["run"].unique().tolist() == ["unmasked"]
+    assert episodes["steps"].tolist() == ["40-41", "200", "250"] and episodes["steps (count)"].tolist() == ["2", "1", "1"]
+    assert episodes["grad norm"].tolist() == ["NaN", "NaN", "inf"]  # never None
+    tagged = episodes.set_index("steps").loc["200"]
+    assert tagged["source"] == "tag" and tagged["parameters"] == "2 parameter tensors, at this step"
+    assert tagged["samples / tokens"] == "sample 1: 1 token position"
+    # every step on demand: one expander per episode, the tag's parameter names and token in step 200's
+    assert [e.label for e in at.expander] == [f"unmasked, steps {s}: every step" for s in ("40-41", "200", "250")]
+    assert "model.embed.weight, model.lm_head.weight" in unescape_md(at.expander[1].caption[0].value)
+    step200 = html_tables(at.expander[1].markdown)[0]
+    assert step200["step"].tolist() == ["200"] and step200["samples / tokens"].tolist() == ["sample 1 token 3"]
 
 
-def test_config_diff_puts_engine_parity_knobs_first(dash_store, monkeypatch):
+def test_config_diff_puts_engine_parity_knobs_and_differing_runs_first(dash_store, monkeypatch):
     at = app(dash_store.uri, monkeypatch, "config-diff")
-    table = at.dataframe[0].value
-    assert table["differs"].all()
-    assert table["name"].tolist()[:2] == ["engine.logprobs_mode", "engine.enable_prefix_caching"]
-    row = table.set_index("name").loc
-    assert row["engine.logprobs_mode", "v1 shifted"] == "raw_logprobs"
-    assert row["engine.logprobs_mode", "v0 ref"] == "processed_logprobs"
-    assert row["lr", "unmasked"] == "2e-06" and row["lr", "v0 ref"] == "1e-06"
-    assert "engine.name" not in set(table["name"])  # the same in every picked run: only with identical rows
-    assert "trainer.gradient_accumulation_steps" not in set(table["name"])
+    table = _config_rows(at)
+    # the reference first, then the runs that differ from it on most rows: v1 shifted differs on the
+    # logprobs mode, prefix caching and three tags (5 rows), unmasked on lr and three tags (4)
+    assert table["columns"][:3] == ["v0 ref (reference)", "v1 shifted", "unmasked"]
+    names = [r[0] for r in table["rows"]]
+    assert names[:2] == ["engine.logprobs_mode", "engine.enable_prefix_caching"]
+    assert all(cls == "differs" for cls in table["classes"])
+    row = {r[0]: dict(zip(table["columns"], r[1:])) for r in table["rows"]}
+    assert row["engine.logprobs_mode"]["v1 shifted"] == "raw_logprobs"
+    assert row["engine.logprobs_mode"]["v0 ref (reference)"] == "processed_logprobs"
+    assert row["lr"]["unmasked"] == "2e-06" and row["lr"]["v0 ref (reference)"] == "1e-06"
+    assert "engine.name" not in row and "trainer.gradient_accumulation_steps" not in row  # identical: hidden
+    assert not [n for n in names if n.startswith("rldiag.alert")]  # alert state is no config (a JSON blob)
     at.toggle(key="config.all").set_value(True).run()
-    full = at.dataframe[0].value
-    assert len(full) > len(table) and full["differs"].tolist() == sorted(full["differs"], reverse=True)
-    same = full[~full["differs"]].set_index("name").loc
-    assert same["engine.name", "v1 shifted"] == "vllm" and same["trainer.gradient_accumulation_steps", EVIL] == "2"
+    full = _config_rows(at)
+    assert len(full["rows"]) > len(table["rows"])  # the toggle shows the identical rows, after, greyed
+    assert full["classes"] == sorted(full["classes"])  # "differs" < "same": differing rows first
+    same = {r[0]: dict(zip(full["columns"], r[1:])) for r, c in zip(full["rows"], full["classes"]) if c == "same"}
+    assert same["engine.name"]["v1 shifted"] == "vllm" and same["trainer.gradient_accumulation_steps"][EVIL] == "2"
+
+
+def _config_rows(at) -> dict:
+    """The config diff table as the page sends it: column headers, rows (name, values) and row classes."""
+    import html as html_mod
+    import re
+
+    [page] = [m.value for m in at.markdown if "rldiag-config" in m.value]
+    heads = [html_mod.unescape(h) for h in re.findall(r"<th[^>]*>(.*?)</th>", page)][1:]
+    rows, classes = [], []
+    for cls, body in re.findall(r'<tr class="(\w+)">(.*?)</tr>', page):
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", body)
+        name = html_mod.unescape(re.search(r"<code>(.*?)</code>", cells[0]).group(1))
+        rows.append([name, *(html_mod.unescape(c) for c in cells[1:])])
+        classes.append(cls)
+    return {"columns": heads, "rows": rows, "classes": classes}
 
 
 def test_unreachable_store_is_an_error_message_not_a_traceback(tmp_path, monkeypatch):
@@ -221,7 +257,8 @@ def test_live_run_is_reloaded_incrementally(store_uri, monkeypatch):
     at.run()
     [line] = figures(at)[keys.RATIO_MEAN]
     assert line["x"].max() == 79
-    [loaded] = data._history_cache().entries.values()
+    # the charts' entry (the page may keep others, e.g. the worst-token keys)
+    [loaded] = [v for (_, _, ks), v in data._history_cache().entries.items() if keys.RATIO_MEAN in ks]
     assert loaded.histories.fetched == 30  # only the new rows were read
 
 

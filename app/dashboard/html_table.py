@@ -1,0 +1,34 @@
+"""Static HTML tables for the dashboard's pages: the text wraps, so no cell is cut (a data grid cuts
+long cells at its column width; `st.table` reads headers and cells as Markdown, so `lm_head` turns
+italic and "# steps" a heading). Every value is escaped."""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+
+CSS = """
+.rldiag-table table { width: 100%; border-collapse: collapse; font-size: 13px; margin-bottom: 6px; }
+.rldiag-table th, .rldiag-table td { border: 1px solid #ddd; padding: 3px 6px; vertical-align: top;
+  overflow-wrap: anywhere; text-align: left; }
+.rldiag-table th { background: #f5f5f5; } .rldiag-table td.num { text-align: right; white-space: nowrap; }
+"""
+
+
+def html_table(df: pd.DataFrame, *, numeric: tuple[str, ...] = ()) -> str:
+    """`df` (index not shown) as one escaped HTML table in a `rldiag-table` block, for `st.markdown(...,
+    unsafe_allow_html=True)`; columns in `numeric` align right."""
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    rows = []
+    for values in df.itertuples(index=False):
+        cells = "".join(
+            f'<td class="num">{html.escape(_text(v))}</td>' if c in numeric else f"<td>{html.escape(_text(v))}</td>"
+            for c, v in zip(df.columns, values))
+        rows.append(f"<tr>{cells}</tr>")
+    body = "".join(rows)
+    return f'<div class="rldiag-table"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _text(v) -> str:
+    return "-" if v is None or v is pd.NA or (isinstance(v, float) and pd.isna(v)) else str(v)
