@@ -10,11 +10,17 @@ Sharded gradients (FSDP2 DTensor shards, FSDP1 flat shards) ride in the same SUM
 its shards' squared norms, the total norm is the root of the sum (plus the replicated tensors' norm,
 squared); the same SUM counts the ranks that found any gradient, so a step where none did reads unknown.
 
-Every rank must pass the same metric keys in the same order at a step.
+The values are reduced by key, not by position: `Monitor` sorts them by key, and a fixed-size MAX
+all-reduce first compares the ranks' key sets (a CRC32 of the sorted keys, and its negation: equal on
+every rank when the max of both agree). Ranks that log different keys at a step all raise
+`KeyMismatchError` naming the keys (never mixed values, never a hang on collectives of different sizes).
+The replicated norm rides in that same header; the maxima of max-keys, when there are any, in a second
+MAX all-reduce.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,6 +51,27 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+class KeyMismatchError(ValueError):
+    """Ranks logged different metric keys at one step (raised on every rank)."""
+
+
+def key_fingerprint(value_keys: list[str]) -> float:
+    """The low 24 bits of a CRC32 of the sorted keys: exact in float32 (MPS) as in float64."""
+    return float(zlib.crc32("\0".join(sorted(value_keys)).encode()) & 0xFFFFFF)
+
+
+def _key_mismatch(value_keys: list[str], step: int | None, group) -> KeyMismatchError:
+    world = dist.get_world_size(group)
+    bucket: list = [None] * world
+    dist.all_gather_object(bucket, (dist.get_rank(group), sorted(value_keys)), group=group)
+    all_keys = set().union(*(set(k) for _, k in bucket))
+    lines = [f"rank {r} lacks {sorted(all_keys - set(k))}" for r, k in sorted(bucket) if all_keys - set(k)]
+    at = f" at step {step}" if step is not None else ""
+    return KeyMismatchError(f"rldiag: the ranks logged different metric keys{at}: {'; '.join(lines)}. Every rank "
+                            "must pass the same keys to Monitor.step (log a rank-only value with Monitor.log on "
+                            "rank 0, or pass it on every rank)")
+
+
 @dataclass
 class Reduced:
     vector: Tensor  # same layout as the input: [total_norm, per-tensor norms..., values...]
@@ -54,7 +81,8 @@ class Reduced:
 
 
 def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bool = False,
-                per_rank: bool = False, group=None, split: Tensor | None = None, found: bool = True) -> Reduced:
+                per_rank: bool = False, group=None, split: Tensor | None = None, found: bool = True,
+                step: int | None = None) -> Reduced:
     """Reduce `[total_norm, norm_0.., values..]` across ranks, on the device, without a host sync.
 
     Token/sequence/sample means become weighted means over all ranks; std of rewards is pooled exactly
@@ -64,6 +92,8 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
     (`gradcheck.shard_split`: `[squares that add up across ranks, norm of the replicated rest]`) mixes
     both: the total is `sqrt(sum of the ranks' squares + the largest rank's replicated norm ** 2)`.
     `found`: this rank holds any gradient. Every rank makes the same collectives, whatever it passes.
+    Ranks whose `value_keys` differ (as sets) all raise `KeyMismatchError`; the same set in another order
+    is a caller's error too (pass them sorted: `Monitor` does).
     """
     world = dist.get_world_size(group)
     idx = {k: n_norms + i for i, k in enumerate(value_keys)}
@@ -95,10 +125,21 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
             at[k], how[k] = len(sums), ("sum" if k in COUNTS else "rank_mean")
             sums.append(x)
     max_keys = [k for k in value_keys if how[k] == "max"]
+    # a fixed-size header first: the key sets compared (every rank reads the same answer, so all raise
+    # together) before any collective whose size depends on them
+    fp = key_fingerprint(value_keys)
+    header = torch.stack([v.new_tensor(fp), v.new_tensor(-fp), rest])
+    dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
+    # A small host read before the step's one transfer (the device queue is drained by then either way): the
+    # layout of the collectives below must be agreed first.
+    top, neg_bottom = header[:2].tolist()
+    if top != -neg_bottom:
+        raise _key_mismatch(value_keys, step, group)
     s = torch.stack(sums)
-    mx = torch.stack([rest] + [v[idx[k]] for k in max_keys])
     dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+    mx = torch.stack([header[2]] + [v[idx[k]] for k in max_keys])
+    if max_keys:
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
     gathered = None
     if per_rank:
         local = v[n_norms:].contiguous()

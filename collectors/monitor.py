@@ -126,6 +126,8 @@ class Monitor:
         scale_t = loss_scale_tensor(scaler)
         if scale_t is not None:  # read in the same host transfer
             values[keys.GRAD_LOSS_SCALE] = scale_t
+        if self.distributed:  # reduced by key: every rank lays its values out in the same (sorted) order
+            values = dict(sorted(values.items()))
         norms = grad_norm_stats([e.local for e in entries], device=None if entries else _device_of(model, values))
         vec = torch.cat([norms.to(host_dtype(norms.device)), pack(values, device=norms.device)])
         n = norms.numel()
@@ -133,7 +135,7 @@ class Monitor:
             host = vec.tolist()  # the one host transfer
             report = build_report(entries, host[:n], self.probe)
         else:
-            report, host = self._reduce(vec, n, list(values), entries)
+            report, host = self._reduce(vec, n, list(values), entries, step)
         got = dict(zip(values.keys(), host[n : n + len(values)]))
         if scale_t is not None:
             report = unscale_report(report, got[keys.GRAD_LOSS_SCALE], scaled=not grads_unscaled(scaler, optimizer),
@@ -183,12 +185,12 @@ class Monitor:
         return False
 
     def _reduce(self, vec: torch.Tensor, n: int, value_keys: list[str],
-                entries: list[GradEntry]) -> tuple[GradReport, list[float]]:
+                entries: list[GradEntry], step: int) -> tuple[GradReport, list[float]]:
         split = None
         if any(e.sharded for e in entries):  # FSDP shards (possibly beside replicated tensors)
             split = shard_split(vec[1:n], entries, plain_sharded=self.grads_sharded)
         red = distributed.reduce_step(vec, n, value_keys, sharded=self.grads_sharded, per_rank=self.per_rank,
-                                      split=split, found=bool(entries))
+                                      split=split, found=bool(entries), step=step)
         parts = [red.vector, red.nonfinite_ranks.reshape(1), red.found_ranks.reshape(1)]
         if red.per_rank is not None:
             parts.append(red.per_rank.reshape(-1))
