@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rldiag.app.preflight.check import Measurement, flipped_args, verdict
+from rldiag.app.preflight.check import Measurement, flipped_args, pair_to_try, verdict
 from rldiag.app.preflight.config import PreflightConfig
 
 RLDIAG = str(Path(sys.executable).parent / "rldiag")
@@ -96,6 +96,28 @@ def test_verdict_names_the_knob_whose_flip_alone_closes_the_gap(checked_dir: Pat
     assert not r.passed and "outside the trainer's support" in r.verdict
     r = verdict(cfg, _m("baseline", None, 0.001), [], [])
     assert r.passed and r.verdict.startswith("PASS")
+
+
+def test_two_causes_at_once_are_flipped_together_and_named_together(checked_dir: Path):
+    """V1's defaults: raw logprobs (0.26 of the gap) and a prefix cache kept across the push (2 tokens the
+    trainer cannot score); neither flip alone passes, so the pair of the two that help is tried."""
+    cfg = PreflightConfig(checked_dir, max_mismatch=0.01)
+    args = {"model": "m", "logprobs_mode": "raw_logprobs"}
+    base = _m("baseline", None, 0.268, outside=2)
+    raw = _m("logprobs_mode -> processed_logprobs", "logprobs_mode", 0.0194, outside=2)
+    raw.engine_args = {"logprobs_mode": "processed_logprobs"}
+    cache = _m("enable_prefix_caching -> False", "prefix_caching", 0.267)
+    cache.engine_args = {"logprobs_mode": "raw_logprobs", "enable_prefix_caching": False}
+    worse = _m("dtype -> bfloat16", "dtype", 0.269, outside=2)  # helps with nothing: not paired
+    merged, label, knob = pair_to_try(cfg, args, base, [raw, cache, worse])
+    assert merged == {"model": "m", "logprobs_mode": "processed_logprobs", "enable_prefix_caching": False}
+    assert knob == "logprobs_mode+prefix_caching"
+    pair = _m(label, knob, 5e-7)
+    r = verdict(cfg, base, [raw, cache, worse, pair], [])
+    assert r.explained_by == "logprobs_mode+prefix_caching"
+    assert "logprobs_mode and prefix_caching together explain the gap" in r.verdict
+    assert "logprobs_mode=processed_logprobs" in r.fix and "reset_prefix_cache" in r.fix
+    assert pair_to_try(cfg, args, base, [raw, _m("x", "dtype", 0.001)]) is None  # a single flip passes
 
 
 def test_flips_follow_what_the_engine_ran_with():
