@@ -160,8 +160,11 @@ def _open_other(uri: str) -> Store:
         from rldiag.collectors.uri import redact_text
 
         first = redact_text(str(e).strip().splitlines()[0]) if str(e).strip() else ""
+        hint = "Check the URI and its credentials."
+        if isinstance(e, ModuleNotFoundError) and e.name == "psycopg":  # SQLAlchemy 2.1: bare postgresql:// is psycopg 3
+            hint = "Write postgresql+psycopg2://... (with psycopg2-binary installed), or pip install 'psycopg[binary]'."
         raise StoreUnreachable(f"cannot open the tracking store {shown!r} ({type(e).__name__}: {first}). "
-                               f"Check the URI and its credentials. {_FIX}") from None
+                               f"{hint} {_FIX}") from None
     return store
 
 

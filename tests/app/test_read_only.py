@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import math
 import shutil
 import sqlite3
@@ -177,6 +178,16 @@ def test_an_unclassified_uri_is_one_line_naming_it_and_what_works(uri):
         open_store(uri)
     text = str(e.value)
     assert len(text.splitlines()) == 1 and repr(uri) in text and "sqlite:///" in text, text
+
+
+def test_a_bare_postgresql_uri_without_psycopg_3_names_the_psycopg2_spelling():
+    pytest.importorskip("psycopg2")
+    if importlib.util.find_spec("psycopg") is not None:
+        pytest.skip("psycopg 3 is installed: a bare postgresql:// works")
+    with pytest.raises(StoreUnreachable) as e:
+        open_store("postgresql://reader:s3cret@127.0.0.1:1/mlflow")
+    text = str(e.value)
+    assert "postgresql+psycopg2://" in text and "s3cret" not in text and len(text.splitlines()) == 1, text
 
 
 # ---- who picks the store -------------------------------------------------------------------------
