@@ -3,7 +3,11 @@
 # [vllm], [hf] or [dev] extras, and CPU torch (the read side never runs a model; the package depends on torch).
 #
 #   docker build -t rldiag:local .
-#   docker run --rm -p 8501:8501 -e MLFLOW_TRACKING_URI=http://mlflow.internal:5000 rldiag:local
+#   docker run --rm -p 127.0.0.1:8501:8501 -e MLFLOW_TRACKING_URI=http://mlflow.internal:5000 rldiag:local
+#
+# The app listens on 0.0.0.0 inside the container; publish it on the host's 127.0.0.1 and put an
+# authenticating proxy in front to serve it further (README, "Exposing the dashboard"). It reads only
+# the store it was started with; visitors cannot type another one.
 #
 # Size, estimated (no Docker engine where this was written): python:3.11-slim ~125 MB + a venv of
 # ~1.9 GB (108 packages, summed from an identical install): CPU torch 0.76 GB, pyarrow 0.16, scipy
