@@ -27,8 +27,16 @@ Under torch.distributed (DDP, `world_size > 1`) every rank runs the check and th
 flag with one all-reduce per step; on a non-finite step the parameter names of every rank are gathered
 (`rank<r>:name`), rank 0 alerts and writes, and every rank applies the same policy, so no rank steps
 while another skips. (DDP averages gradients across ranks, so a NaN on one rank usually reaches every
-rank's copy: the names then come from every rank.) DeepSpeed/FSDP keep gradients out of `.grad`; there
-the check finds nothing to read and says so once.
+rank's copy: the names then come from every rank.) Under FSDP (DTensor or flat shards) each rank measures
+its shards, the same SUM all-reduce adds the ranks' squares up to the global pre-clip norm, and a sharded
+parameter is named once by its FQN. DeepSpeed ZeRO keeps gradients out of `.grad`; there the check finds
+nothing to read and says so once.
+
+fp16 (accelerate's GradScaler, found on the optimizer): the recorded norms are of the scaled gradients and
+are logged divided by the scale; a scaler overflow is `grad/scaler_overflow` (collectors/amp.py), not an
+alert, and `skip` does nothing more: accelerate's `optimizer.step()` runs `scaler.step`, which skips the
+step, and `scaler.update()`. On a non-finite step the alert says where the NaN entered
+(collectors/nan_origin.py), in the order the gradients arrived.
 """
 
 from __future__ import annotations
