@@ -24,14 +24,14 @@ def _step(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, ids: 
     return to_host(policy_metrics(trainer, engine, mask, lp_trainer_at_rollout=trainer, token_ids=ids))
 
 
-def _write(uri: str, name: str, role: str) -> str:
+def _write(uri: str, name: str, role: str, params: dict | None = None) -> str:
     """Step 0: parity but one small gap (0.05 at sample 0, position 0); step 1: the hand-built batch;
     step 2: nothing valid (logged as sample -1, so not a worst token)."""
     same = torch.where(MASK, TRAINER, ENGINE)
     same[0, 0] = TRAINER[0, 0] - 0.05  # engine -1.05 vs trainer -1.0
     steps = [(0, _step(TRAINER, same, MASK, IDS)), (1, _step(TRAINER, ENGINE, MASK, IDS)),
              (2, _step(TRAINER, ENGINE, torch.zeros_like(MASK), IDS))]
-    return write_run(uri, name=name, tags={keys.TAG_GROUP: "g", keys.TAG_ROLE: role}, steps=steps)
+    return write_run(uri, name=name, tags={keys.TAG_GROUP: "g", keys.TAG_ROLE: role}, steps=steps, params=params)
 
 
 def test_the_stored_worst_token_reads_back_as_the_line_users_see(store_uri: str):
@@ -59,15 +59,19 @@ def test_report_shows_each_runs_worst_token(store_uri: str, tmp_path):
     assert '<section id="worst">' in report.html and LINE in report.html
 
 
-def test_compare_page_shows_the_worst_token(store_uri: str, monkeypatch):
+def test_compare_page_shows_the_worst_token_with_its_text_where_the_tokenizer_is_at_hand(store_uri: str, monkeypatch,
+                                                                                         tmp_path):
+    from rldiag.experiments.tiny_hf_model import tiny_word_tokenizer
     from tests.app.dashboard.helpers import app, unescape_md
 
-    _write(store_uri, "ref", "reference")
-    _write(store_uri, "cand", "candidate")
+    tiny_word_tokenizer(64).save_pretrained(tmp_path / "model")  # id 17 is 'w14' (ids 0-2 are special)
+    _write(store_uri, "ref", "reference")  # no engine.model param: the id only
+    _write(store_uri, "cand", "candidate", params={"engine.model": str(tmp_path / "model")})
     at = app(store_uri, monkeypatch, "compare")
     assert any(s.value == "Worst tokens: trainer vs engine" for s in at.subheader)
     [text] = [unescape_md(m.value) for m in at.markdown if "worst token at step" in m.value]
-    assert "**cand**: " + LINE in text and "**ref**: " + LINE in text
+    assert "**ref**: " + LINE in text
+    assert "**cand**: " + LINE.replace("token id 17", "token 'w14' (id 17)") in text
 
 
 def test_runs_without_worst_tokens_get_no_line(store_uri: str):
