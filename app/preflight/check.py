@@ -248,16 +248,26 @@ def run_preflight(cfg: PreflightConfig, *, progress: Callable[[str], None] = lam
             flips.append(Measurement(label, knob, {}, status="skipped", note=skip))
             continue
         progress(label)
-        flips.append(measure(trainer, new, label=label, knob=knob))
+        flips.append(measure_flip(trainer, new, label=label, knob=knob))
     pair = pair_to_try(cfg, args, base, flips)
     if pair is not None:  # two causes at once (V1's defaults: raw logprobs and a prefix cache kept)
         progress(pair[1])
-        flips.append(measure(trainer, pair[0], label=pair[1], knob=pair[2]))
+        flips.append(measure_flip(trainer, pair[0], label=pair[1], knob=pair[2]))
     notes += cache_notes(cfg, base, flips)
     return verdict(cfg, base, flips, notes)
 
 
 COMBINED = "+"  # joins the knobs of a pair flipped together
+
+
+def measure_flip(trainer: Trainer, args: dict[str, Any], *, label: str, knob: str) -> Measurement:
+    """`measure`, where an engine that refuses the flipped setting is a result ("failed"), not a crash."""
+    try:
+        return measure(trainer, args, label=label, knob=knob)
+    except Exception as e:  # noqa: BLE001 - e.g. a build that refuses hf_overrides head_dtype=float32
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return Measurement(label, knob, {k: v for k, v in args.items() if k != "model"}, status="failed",
+                           note=f"the engine did not start with this setting ({type(e).__name__}: {first})")
 
 
 def _improves(m: Measurement, base: Measurement) -> bool:

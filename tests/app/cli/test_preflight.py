@@ -198,3 +198,17 @@ def test_an_engine_argument_vllm_does_not_know_is_one_line(tmp_path: Path, model
     _vllm()
     res = preflight("--model", str(model_dir), "-e", "logprob_mode=raw_logprobs", "--quiet", cwd=tmp_path)
     _one_line_error(res, "'logprob_mode'", "vllm.EngineArgs")  # the typo is named; no engine started
+
+
+def test_a_flip_the_engine_refuses_is_a_failed_row_not_a_crash(checked_dir: Path, monkeypatch):
+    from rldiag.app.preflight import check
+
+    def refuse(*_a, **_k):
+        raise ValueError("head_dtype float32 is not supported\nmore detail")
+
+    monkeypatch.setattr(check, "measure", refuse)  # stands in for an engine build that refuses the setting
+    m = check.measure_flip(None, {"model": "m", "hf_overrides": {"head_dtype": "float32"}}, label="lm_head_fp32 -> on",
+                           knob="lm_head_fp32")
+    assert m.status == "failed" and not m.passes(1.0)
+    assert m.note == "the engine did not start with this setting (ValueError: head_dtype float32 is not supported)"
+    assert m.engine_args == {"hf_overrides": {"head_dtype": "float32"}}
