@@ -20,6 +20,8 @@ rate and the KL from the first step. The trainer always scores tokens the way V0
     prefix-cache-reset     control: prefix caching, the cache reset after every weight update
     bf16-engine            v0-parity with a bfloat16 engine
     bf16-fp32-lm-head      bf16-engine with the lm_head projection in float32 (hf_overrides head_dtype)
+    trainer-no-temperature v0-parity engine; the trainer scores log_softmax(logits), without temperature/top-p
+    lr-x10                 v0-parity with a learning rate 10x the default (parity holds; the updates overshoot)
 
 Reward: the fraction of completion tokens among the "target" quarter of the vocabulary. Prompts come
 from a fixed pool, longer than one KV block, so that a prefix cache kept across weight updates is hit.
@@ -61,6 +63,8 @@ class Variant:
     engine: EngineConfig  # how the engine is started
     pause_for_weights: bool = True  # load weights with scheduling paused (V0's engine-boundary load)
     reset_cache_on_update: bool = False  # reset the prefix cache after each weight load
+    trainer_sampling: bool = True  # the trainer applies the sampling temperature and top-p to its logits
+    lr_scale: float = 1.0  # learning rate multiplier over ParityConfig.lr
     note: str = ""  # what the variant changes, for the run description
 
 
@@ -77,6 +81,10 @@ VARIANTS: dict[str, Variant] = {
     "bf16-engine": Variant(EngineConfig(dtype="bfloat16"), note="bfloat16 weights and activations in the engine"),
     "bf16-fp32-lm-head": Variant(EngineConfig(dtype="bfloat16", lm_head_fp32=True),
                                  note="bfloat16 engine, lm_head projection in float32"),
+    # Not engine settings: the same engine as the reference, so these share its engine (no extra start).
+    "trainer-no-temperature": Variant(EngineConfig(), trainer_sampling=False,
+                                      note="the trainer's recompute ignores temperature and top-p"),
+    "lr-x10": Variant(EngineConfig(), lr_scale=10.0, note="learning rate 10x the default"),
 }
 
 
@@ -149,19 +157,23 @@ def run_one(engine: Engine, cfg: ParityConfig, name: str, seed: int, *, tracking
     """One GSPO run of `cfg.steps` rollouts on `engine`, logged as one MLflow run."""
     variant = VARIANTS[name]
     model = build_tiny_qwen2(cfg.vocab, seed, initializer_range=cfg.init_std, **VLLM_TINY_QWEN2).float().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr * variant.lr_scale)
     engine.load_weights(model, pause=variant.pause_for_weights)
     engine.reset_prefix_cache()  # nothing cached from the previous run's weights
     prompts = make_prompts(cfg, seed)
     tags = {keys.TAG_GROUP: GROUP, keys.TAG_VARIANT: name, keys.TAG_SEED: str(seed),
             keys.TAG_ROLE: "reference" if name == REFERENCE else "candidate", "mlflow.note.content": variant.note}
     loop = {k: v for k, v in asdict(cfg).items() if k not in ("variants", "extra")}
+    loop["lr"] = cfg.lr * variant.lr_scale  # the learning rate this run trains with
+    temperature, top_p = (cfg.temperature, cfg.top_p) if variant.trainer_sampling else (1.0, 1.0)
     params = {**engine.fingerprint, "loop": {**loop, "seed": seed, "objective": "gspo", "optimizer_steps_per_rollout": 1},
               "variant": {"name": name, "pause_for_weights": variant.pause_for_weights,
                           "reset_cache_on_update": variant.reset_cache_on_update,
+                          "trainer_sampling": variant.trainer_sampling, "lr_scale": variant.lr_scale,
                           "engine": config_params(variant.engine)},
               "model": {"arch": "Qwen2ForCausalLM", "dtype": "float32", "lm_head_dtype": "float32",
-                        "trainer_logprobs": "processed (temperature, top_p)", **VLLM_TINY_QWEN2},
+                        "trainer_logprobs": "processed (temperature, top_p)" if variant.trainer_sampling
+                        else "raw (no temperature, no top_p)", **VLLM_TINY_QWEN2},
               **cfg.extra}
     first: StepRecord | None = None
     first_bad: int | None = None
@@ -183,7 +195,7 @@ def run_one(engine: Engine, cfg: ParityConfig, name: str, seed: int, *, tracking
 
             ids = torch.cat([batch.prompt_ids, tokens], 1)
             logits = mon.watch(model(input_ids=ids).logits[:, cfg.prompt_len - 1 : -1])
-            processed = process_logits(logits, temperature=cfg.temperature, top_p=cfg.top_p)
+            processed = process_logits(logits, temperature=temperature, top_p=top_p)
             lp_new = torch.log_softmax(processed, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
             loss = gspo_loss(lp_new, lp_old, mask, adv, cfg.eps_low, cfg.eps_high)
             loss.backward()

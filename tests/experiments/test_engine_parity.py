@@ -1,10 +1,8 @@
 """experiments/engine_parity.py with a real vLLM engine: a short run into a SQLite store, read back.
 
-One module fixture runs a few steps of the reference (two seeds, one engine) and of the candidates
-whose knob the CPU build can show (one engine per engine configuration, started one at a time), then
-every test reads the stored tags, params and full metric histories. `raw-logprobs` is not run here:
-at step 0 `v1-defaults` differs from the reference only by its raw logprobs (the prefix cache is
-still empty and the CPU build forces async scheduling off), so its step-0 assertions cover that knob.
+The session fixture `parity_store` (tests/experiments/conftest.py) runs every variant (the reference
+with three seeds; one engine per engine configuration, started one at a time), then every test reads
+the stored tags, params and full metric histories.
 """
 
 from __future__ import annotations
@@ -12,9 +10,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -27,69 +22,32 @@ from rldiag.experiments.engine_parity import (  # noqa: E402
     KEY_PREFIX_HIT,
     REFERENCE,
     VARIANTS,
-    ParityConfig,
-    run_experiment,
 )
+from tests.experiments.conftest import PARITY_SEEDS, PARITY_STEPS, ParityStore  # noqa: E402
 
-# The module fixture starts 5 engines (~20 s each on an idle machine, minutes on a loaded one).
+# The session fixture starts 6 engines (~20 s each on an idle machine, minutes on a loaded one).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-STEPS = 3  # step 0: same weights on both sides; steps 1-2: after weight updates (the prefix cache matters)
-SEEDS = 2  # reference seeds; both share the reference's engine
-RUN_VARIANTS = (REFERENCE, "v1-defaults", "prefix-cache-no-reset", "prefix-cache-reset", "bf16-engine",
-                "bf16-fp32-lm-head")
+STEPS = PARITY_STEPS  # step 0: same weights on both sides; then after weight updates (the prefix cache matters)
+SEEDS = PARITY_SEEDS  # reference seeds; they share the reference's engine
+RUN_VARIANTS = tuple(VARIANTS)
+# The per-step parity and bf16 bounds below were written for step 0 and the first two updates. Over 20
+# steps the policy sharpens: a bf16 engine's mean mismatch falls to ~4e-6 once most sampled tokens have
+# probability ~1 (both sides then read ~0), and a float32 seed showed one token 7e-3 off at step 14
+# (mean 1.4e-5). Measured here; the bounds hold on the early steps they were written for.
+EARLY = 3
 PER_STEP = (keys.CLIP_RATE, keys.CLIP_RATE_SEQ, keys.KL_NEW_OLD, keys.ENTROPY, keys.REWARD_MEAN, keys.RATIO_MEAN,
             keys.RATIO_MAX, keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX,
             keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, KEY_PREFIX_HIT, KEY_OUTSIDE_TOP_P)
 
 
-@dataclass
-class StoredRun:
-    tags: dict[str, str]
-    params: dict[str, str]
-    metrics: dict[str, list[float]]  # key -> value per step 0..STEPS-1, from the full history
-
-    def at(self, key: str, step: int) -> float:
-        return self.metrics[key][step]
+@pytest.fixture
+def store(parity_store: ParityStore) -> ParityStore:
+    """The session's engine-parity store (tests/experiments/conftest.py), shared with the other tests."""
+    return parity_store
 
 
-@dataclass
-class Store:
-    uri: str
-    wall_s: float
-    runs: dict[tuple[str, int], StoredRun]  # (variant, seed) -> what the store holds
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
-    """The module-scoped twin of conftest's `sqlite_uri`: a fresh SQLite store, cwd in its temp dir."""
-    from mlflow import MlflowClient
-
-    tmp: Path = tmp_path_factory.mktemp("parity")
-    uri = f"sqlite:///{tmp / 'mlruns.db'}"
-    cfg = ParityConfig(steps=STEPS, seeds=SEEDS, variants=RUN_VARIANTS)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(tmp)
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        t0 = time.monotonic()
-        summaries = run_experiment(cfg, tracking_uri=uri, progress=False, model_dir=tmp / "model")
-        wall = time.monotonic() - t0
-    assert [s.undelivered for s in summaries] == [0] * len(summaries)
-
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(cfg.experiment)
-    runs: dict[tuple[str, int], StoredRun] = {}
-    for run in client.search_runs([exp.experiment_id], max_results=100):
-        metrics = {}
-        for key in run.data.metrics:
-            history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
-            metrics[key] = [m.value for m in history]
-        tags = run.data.tags
-        runs[(tags[keys.TAG_VARIANT], int(tags[keys.TAG_SEED]))] = StoredRun(tags, run.data.params, metrics)
-    return Store(uri, wall, runs)
-
-
-def test_one_run_per_variant_and_reference_seed(store: Store) -> None:
+def test_one_run_per_variant_and_reference_seed(store: ParityStore) -> None:
     print(f"\nexperiment wall time: {store.wall_s:.0f} s")
     expected = {(REFERENCE, s) for s in range(SEEDS)} | {(v, 0) for v in RUN_VARIANTS if v != REFERENCE}
     assert set(store.runs) == expected
@@ -104,7 +62,7 @@ def test_one_run_per_variant_and_reference_seed(store: Store) -> None:
         assert run.params["variant.engine.logprobs_mode"] == VARIANTS[variant].engine.logprobs_mode
 
 
-def test_every_step_logs_the_diagnostics(store: Store) -> None:
+def test_every_step_logs_the_diagnostics(store: ParityStore) -> None:
     for name, run in store.runs.items():
         for key in PER_STEP:
             assert len(run.metrics.get(key, [])) == STEPS, (name, key)
@@ -113,11 +71,11 @@ def test_every_step_logs_the_diagnostics(store: Store) -> None:
         assert all(0.0 <= v <= 1.0 for v in run.metrics[keys.REWARD_MEAN])
 
 
-def test_v0_parity_engine_matches_the_trainer(store: Store) -> None:
+def test_v0_parity_engine_matches_the_trainer(store: ParityStore) -> None:
     # processed logprobs, float32, no prefix cache: FACTS-vllm-cpu.md measured 5e-7 against the recompute
     for seed in range(SEEDS):
         run = store.runs[(REFERENCE, seed)]
-        for step in range(STEPS):
+        for step in range(EARLY):
             assert run.at(keys.MISMATCH_LOGPROB_MAX, step) < 1e-3, (seed, step)
             assert run.at(keys.MISMATCH_LOGPROB_MEAN, step) < 1e-5, (seed, step)
             assert abs(run.at(keys.RATIO_MEAN, step) - 1.0) < 1e-5, (seed, step)
@@ -126,7 +84,7 @@ def test_v0_parity_engine_matches_the_trainer(store: Store) -> None:
             assert run.at(KEY_PREFIX_HIT, step) == 0.0 and run.at(KEY_OUTSIDE_TOP_P, step) == 0.0
 
 
-def test_v1_defaults_mismatch_before_the_first_update(store: Store) -> None:
+def test_v1_defaults_mismatch_before_the_first_update(store: ParityStore) -> None:
     ref, v1 = store.runs[(REFERENCE, 0)], store.runs[("v1-defaults", 0)]
     # Step 0: same weights, same sampling seeds; the engine reports log_softmax(logits) (raw) while the
     # trainer scores log_softmax(top_p(logits / 0.7)): the processed logprob of a sampled token is higher.
@@ -138,7 +96,7 @@ def test_v1_defaults_mismatch_before_the_first_update(store: Store) -> None:
     assert v1.at(keys.REWARD_MEAN, 0) == ref.at(keys.REWARD_MEAN, 0)
 
 
-def test_prefix_cache_kept_across_updates_serves_stale_kv(store: Store) -> None:
+def test_prefix_cache_kept_across_updates_serves_stale_kv(store: ParityStore) -> None:
     ref = store.runs[(REFERENCE, 0)]
     stale, reset = store.runs[("prefix-cache-no-reset", 0)], store.runs[("prefix-cache-reset", 0)]
     for step in range(STEPS):
@@ -156,22 +114,22 @@ def test_prefix_cache_kept_across_updates_serves_stale_kv(store: Store) -> None:
         assert stale.at(keys.MISMATCH_LOGPROB_MEAN, step) > 1e-4
 
 
-def test_bf16_engine_departs_from_the_float32_trainer(store: Store) -> None:
+def test_bf16_engine_departs_from_the_float32_trainer(store: ParityStore) -> None:
     ref = store.runs[(REFERENCE, 0)]
     for variant in ("bf16-engine", "bf16-fp32-lm-head"):
         run = store.runs[(variant, 0)]
-        for step in range(STEPS):
+        for step in range(EARLY):
             assert run.at(keys.MISMATCH_LOGPROB_MEAN, step) > 1e-3 > 100 * ref.at(keys.MISMATCH_LOGPROB_MEAN, step)
             assert run.at(keys.CLIP_RATE_SEQ, step) > 0.25  # |s_i - 1| ~ 1e-3 exceeds GSPO's band
 
 
-def test_fp32_lm_head_is_what_the_engine_runs(store: Store) -> None:
+def test_fp32_lm_head_is_what_the_engine_runs(store: ParityStore) -> None:
     bf16, head = store.runs[("bf16-engine", 0)].params, store.runs[("bf16-fp32-lm-head", 0)].params
     assert bf16["engine.dtype"] == head["engine.dtype"] == "bfloat16"
     assert bf16["engine.lm_head_dtype"] == "bfloat16" and head["engine.lm_head_dtype"] == "float32"
 
 
-def test_fingerprints_show_the_knobs(store: Store) -> None:
+def test_fingerprints_show_the_knobs(store: ParityStore) -> None:
     ref, v1 = store.runs[(REFERENCE, 0)].params, store.runs[("v1-defaults", 0)].params
     diff = {k for k in ref.keys() | v1.keys() if k.startswith("engine.") and ref.get(k) != v1.get(k)}
     assert {"engine.logprobs_mode", "engine.enable_prefix_caching", "engine.async_scheduling.requested"} <= diff
