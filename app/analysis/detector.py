@@ -80,6 +80,7 @@ class NoiseModel(NamedTuple):
     spread: float  # sd of the seed-to-seed slow difference (wander and offset) of one seed
     n_seeds: int
     null_sd: tuple[float, ...]  # per trailing window: sd of (candidate median - centre) under no change
+    change_sd: tuple[float, ...]  # per change_windows pair: sd of (recent median - the one before) under no change
     threshold: tuple[float, ...]  # per trailing window, in null sd (>= k; raised by the references' bursts)
     ref_nonfinite: bool  # some reference logs non-finite values itself
 
@@ -90,6 +91,14 @@ def ar_mean_var(m: int, phi: float) -> float:
         return 1.0 / m
     d = np.arange(1, m)
     return float((m + 2 * np.sum((m - d) * phi**d)) / m**2)
+
+
+def ar_diff_var(q: int, p: int, phi: float) -> float:
+    """Variance of (mean of the last `q` points - mean of the `p` before them), unit-variance AR(1)."""
+    idx = np.arange(q + p)
+    cov = phi ** np.abs(idx[:, None] - idx[None, :]) if phi > 0 else np.eye(q + p)
+    w = np.r_[-np.ones(p) / p, np.ones(q) / q]
+    return float(w @ cov @ w)
 
 
 def _skew(x: np.ndarray) -> float:
@@ -179,9 +188,11 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         prior, k0 = (config.seed_spread * sigma) ** 2, config.seed_spread_weight
         spread = float(np.sqrt(((n - 1) * est + k0 * prior) / (n - 1 + k0)))
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
-        center_var = median_var(phi) * sigma**2 * ar_mean_var(config.window, phi) / max(n, 1)
         null_sd, thresholds = [], []
         for m in config.windows:
+            # the centre's own error, averaged over the window (a w-step smooth averaged over m >= w
+            # steps errs as the raw points' m-step average does)
+            center_var = median_var(phi) * sigma**2 * ar_mean_var(max(m, config.window), phi) / max(n, 1)
             v = median_var(phi) * sigma**2 * ar_mean_var(m, phi) + center_var + spread**2 * (1 + 1 / max(n, 1))
             sd = max(float(np.sqrt(v)), config.min_delta / config.k, 1e-9 * max(1.0, scale_of_level))
             null_sd.append(sd)
@@ -198,7 +209,11 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             # their bar rises by `k_per_halving` for each halving below the longest window.
             k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
             thresholds.append(max(k_m, config.calibration_margin * top * own_sd / sd if sd > 0 else k_m))
-    noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), tuple(thresholds), ref_nonfinite)
+        # The candidate against its own recent past (relative to the centre): seed offsets and wander
+        # cancel, so an abrupt change shows long before its level clears the seed spread.
+        change_sd = tuple(max(float(np.sqrt(median_var(phi) * sigma**2 * ar_diff_var(q, p, phi))),
+                              1e-9 * max(1.0, scale_of_level)) for q, p in config.change_windows)
+    noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite)
     return RefModel(steps, vals, center, log_floor, noise)
 
 
@@ -227,61 +242,87 @@ def _cusum_onset(r: np.ndarray, alert: int, level: float, lookback: int) -> int:
     return lo + int(np.argmax(tail))
 
 
+def _variance_onset(abs_diff: np.ndarray, alert: int, cut: float, lookback: int) -> int:
+    """Where a noisier stretch ending at `alert` starts: the split maximising the tail sum of +1 for a
+    step-to-step change above `cut` (2 reference sd: 5% of steps under no change) and -0.5 otherwise."""
+    lo = max(0, alert - lookback)
+    x = np.where(abs_diff[lo:alert + 1] > cut, 1.0, -0.5)
+    tail = np.cumsum(x[::-1])[::-1]
+    return lo + int(np.argmax(tail))
+
+
 def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, noise: NoiseModel,
-         config) -> list[Stretch]:
+         config, cand_abs_diff: np.ndarray | None = None) -> list[Stretch]:
     """Every departure of the residual `r` (candidate - centre, compared scale) in order of time.
 
     `cand_bad`: candidate non-finite where a reference is finite; `cand_resid_scale`: trailing robust
     scale of the candidate's first differences (for variance departures)."""
     n = len(r)
-    windows = [m for m in config.windows]
-    z = []
     with quiet():
-        for m, sd in zip(windows, noise.null_sd):
-            z.append(_trailing_median(r, m) / sd)
+        level = {m: _trailing_median(r, m) / sd for m, sd in zip(config.windows, noise.null_sd)}
+        # (window, z, bar, window whose level z says when it is over)
+        # every window at every step where it is 60% full: whether a window counts never depends on
+        # how long the candidate is now, so a prefix of the run reports what the whole run reports there
+        tests = [(m, level[m], th, m, m) for m, th in zip(config.windows, noise.threshold)]  # + look-back span
+        for (q, p), sd in zip(config.change_windows, noise.change_sd):
+            before = np.roll(_trailing_median(r, p), q)
+            before[:q] = np.nan
+            zc = (_trailing_median(r, q) - before) / sd
+            end_m = q if q in level else config.windows[0]
+            # a change counts only away from the centre and while the recent level is not back inside
+            # (the end rule's half bar): a return from a departure is a change too, not a departure
+            lvl = level[end_m]
+            bar = noise.threshold[list(config.windows).index(end_m)]
+            zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
+            tests.append((q, zc, config.k_change, end_m, q + p))
     out: list[Stretch] = []
-    # Level departures: any window beyond its threshold; each stretch ends once the reporting window
-    # is back under half its threshold for as many steps as the window is long.
-    i = 0
-    out_mask = np.zeros(n, bool)
+    # Level departures: any test beyond its bar; each stretch ends once the reporting window's level
+    # is back under half its bar for as many steps as the window is long.
+    i, last_end = 0, None
     while i < n:
         hit = None
-        for wi, (m, zz, th) in enumerate(zip(windows, z, noise.threshold)):
-            if m > max(int(np.isfinite(r[: n]).sum()), 0):
-                continue
-            idx = np.flatnonzero(np.abs(np.nan_to_num(zz[i:], nan=0.0)) > th)
-            if len(idx) and (hit is None or i + idx[0] < hit[0]):
-                hit = (i + int(idx[0]), wi)
+        for ti, (m, zz, th, _, span) in enumerate(tests):
+            # after a departure, a test counts once its window no longer reaches back into it
+            start = i if last_end is None else max(i, last_end + span)
+            idx = np.flatnonzero(np.abs(np.nan_to_num(zz[start:], nan=0.0)) > th)
+            if len(idx) and (hit is None or start + idx[0] < hit[0]):
+                hit = (start + int(idx[0]), ti)
         if hit is None:
             break
-        a, wi = hit
-        m, zz, th = windows[wi], z[wi], noise.threshold[wi]
+        a, ti = hit
+        m, zz, th, end_m, _ = tests[ti]
         sign = int(np.sign(zz[a]))
-        level = float(zz[a] * noise.null_sd[wi])
-        onset = max(i, _cusum_onset(r, a, level, lookback=4 * m + config.window))
-        inside = np.nan_to_num(zz[a:] * sign, nan=0.0) < th / 2
+        lv = level.get(end_m)
+        wi = list(config.windows).index(end_m) if end_m in config.windows else 0
+        size = float(zz[a] * (noise.null_sd[list(config.windows).index(m)] if m in config.windows and zz is lv
+                              else noise.change_sd[[q for q, _ in config.change_windows].index(m)]))
+        onset = max(i, _cusum_onset(r, a, size, lookback=4 * m + config.window))
+        bar = noise.threshold[wi]
+        inside = np.nan_to_num(lv[a:] * sign, nan=0.0) < bar / 2
         c = np.concatenate([[0], np.cumsum(inside)])
-        full = np.flatnonzero((c[m:] - c[:-m]) == m) if len(inside) >= m else np.empty(0, int)
+        full = np.flatnonzero((c[end_m:] - c[:-end_m]) == end_m) if len(inside) >= end_m else np.empty(0, int)
         if len(full):
-            end = a + int(full[0]) - 1
-            end = max(end, a)
+            end = max(a + int(full[0]) - 1, a)
             out.append(Stretch("level", onset, a, end, sign, m))
-            out_mask[onset:end + 1] = True
-            i = end + 1
+            i, last_end = end + 1, end
         else:
             out.append(Stretch("level", onset, a, None, sign, m))
-            out_mask[onset:] = True
             break
     # Variance: the candidate's own step-to-step noise `var_ratio` times the references'. A noisier
     # candidate also moves its medians: level stretches inside a variance stretch are that, not a shift.
     ref_scale = noise.sigma * np.sqrt(2 * (1 - noise.phi))
+    if cand_abs_diff is None:
+        cand_abs_diff = np.zeros(n)
     if ref_scale > 0:
         noisy = cand_resid_scale > config.var_ratio * ref_scale
         hits = np.flatnonzero(noisy)
         if len(hits):
             a = int(hits[0])
-            onset = max(0, a - config.var_window // 2)
-            back = np.flatnonzero(~noisy[a:])
+            onset = _variance_onset(cand_abs_diff, a, 2 * ref_scale, config.var_window)
+            # over once it is back under the bar for a whole window (the trailing scale flickers at the edge)
+            quiet_run = np.concatenate([[0], np.cumsum(~noisy[a:])])
+            w = config.var_window
+            back = np.flatnonzero((quiet_run[w:] - quiet_run[:-w]) == w) if n - a >= w else np.empty(0, int)
             end = None if not len(back) else a + int(back[0]) - 1
             last = n if end is None else end + config.var_window
             out = [d for d in out if not (onset - config.var_window <= d.onset <= last)]

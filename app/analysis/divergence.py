@@ -59,14 +59,16 @@ class DivergenceConfig:
     `--divergence KEY=VALUE` sets them). Defaults measured on `bench.divergence_rl` (README)."""
 
     window: int = 9  # centre: each reference seed's centred rolling median, in steps (odd)
-    k: float = 5.5  # bar of the longest trailing median, in sd of its no-change difference from the centre
+    k: float = 5.0  # bar of the longest trailing median, in sd of its no-change difference from the centre
     k_per_halving: float = 0.25  # the bar rises by this for each halving of the window (tested more often)
-    windows: tuple[int, ...] = (9, 17, 33, 65, 129)  # trailing medians tested, in compared steps
+    windows: tuple[int, ...] = (11, 21, 41, 81, 129)  # trailing medians tested, in compared steps
+    change_windows: tuple[tuple[int, int], ...] = ((11, 33), (21, 65))  # (recent, before): the candidate vs its own past
+    k_change: float = 7.5  # bar of a change, in sd of (recent median - the one before) under no change
     detrend_window: int = 65  # steps of the wide smooth the noise is measured around
     seed_spread: float = 0.4  # prior seed-to-seed spread, in noise sd (all that 1 or 2 seeds can give)
     seed_spread_weight: float = 1.0  # the prior counts as this many seeds beside the references' estimate
     calibration_margin: float = 1.1  # a window's bar >= this x the largest value the references reach on it
-    var_ratio: float = 3.0  # candidate step-to-step noise / the references' that makes a variance departure
+    var_ratio: float = 2.5  # candidate step-to-step noise / the references' that makes a variance departure
     var_window: int = 31  # trailing steps over which the candidate's noise is measured
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
     min_delta: float = 0.0  # a departure must exceed this, in metric units
@@ -100,7 +102,9 @@ class DivergenceConfig:
                 raise ValueError(f"divergence option {item!r}: use KEY=VALUE with KEY one of {', '.join(kinds)}")
             default = getattr(cls(), key)
             try:
-                if isinstance(default, tuple):
+                if key == "change_windows":
+                    values[key] = tuple(tuple(int(x) for x in pair.split(":")) for pair in raw.split(",") if pair.strip())
+                elif isinstance(default, tuple):
                     values[key] = tuple(int(x) for x in raw.split(",") if x.strip())
                 else:
                     values[key] = type(default)(raw)
@@ -281,7 +285,8 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     first_bad = int(steps[np.flatnonzero(cand_bad)[0]]) if cand_bad.any() else None
     compared = int(np.isfinite(r).sum())
     with quiet():
-        stretches = scan(r, cand_bad, candidate_scale(ct, config.var_window), model.noise, config)
+        stretches = scan(r, cand_bad, candidate_scale(ct, config.var_window), model.noise, config,
+                         np.abs(np.diff(ct, prepend=np.nan)))
     deps = []
     center_m = _inverse(model, center_t)
     sigma = model.noise.sigma

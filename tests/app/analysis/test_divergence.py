@@ -164,19 +164,19 @@ def test_a_candidate_at_parity_for_one_step_then_apart_diverges_at_the_second():
 
 def test_too_few_compared_steps_is_not_enough_steps_never_within():
     config = DivergenceConfig()
-    assert config.min_steps == 2 * config.windows[0] == 18  # the shortest window twice
+    assert config.min_steps == 2 * config.windows[0] == 22  # the shortest window twice
     assert DivergenceConfig(windows=(5, 9)).min_steps == 10
-    r = refs(5, 3, n=40)
+    r = refs(5, 3, n=60)
     short = detect_divergence(r, trace(seed_run(5999, n=10)))  # a seed, 10 steps: nothing to see on so few
     assert (short.diverged, short.status, short.steps_compared) == (False, "not_enough_steps", 10)
-    assert short.evidence == "not enough steps (10 compared, 18 needed)"
+    assert short.evidence == "not enough steps (10 compared, 22 needed)"
     enough = detect_divergence(r, trace(seed_run(5999, n=30)))
     assert (enough.status, enough.steps_compared) == ("within", 30)
     assert enough.evidence.startswith("within the band (a lasting shift under ")
     apart = detect_divergence(r, trace(seed_run(5999, n=30) + 10.0))
     assert apart.status == "diverged" and apart.onset_step == 0
     assert detect_divergence(r, trace(seed_run(5999, n=10)), DivergenceConfig(windows=(5, 9))).status == "within"
-    empty = detect_divergence(r, trace(seed_run(5999, n=40), steps=np.arange(100, 140)))  # no common step
+    empty = detect_divergence(r, trace(seed_run(5999, n=40), steps=np.arange(100, 140) + 1000))  # no common step
     assert (empty.status, empty.steps_compared, empty.evidence) == ("not_enough_steps", 0, "not compared (0 steps)")
 
 

@@ -1,0 +1,86 @@
+"""The detector on RL-like noise (`bench.divergence_rl`): no alarm on seeds, spikes or running runs;
+every departure, found online (a prefix reports what the whole run reports at that step); options
+from the CLI; magnitudes in metric units."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.divergence_data import trace
+from bench.divergence_rl import NO_CHANGE, make_set, scenario
+from rldiag.app.analysis.divergence import DivergenceConfig, departure_text, detect_divergence, sigma_text
+from rldiag.app.data.trace import Trace
+
+
+def _prefix(t: Trace, n: int) -> Trace:
+    return Trace(t.run_id, t.key, t.source_key, t.steps[:n], t.values[:n], t.timestamps[:n])
+
+
+def test_no_alarm_on_seeds_spikes_or_running_candidates():
+    # 12 comparisons of each no-change kind, with AR(1) noise to phi 0.85, t tails, bursts and spikes in
+    # the references too, seed wander and offsets, 1 to 4 references
+    fired = [(s.change, i, d.departures[0]) for i, s in enumerate(make_set(12, NO_CHANGE))
+             if (d := detect_divergence(list(s.references), s.candidate)).diverged]
+    assert fired == []
+
+
+@pytest.mark.parametrize("change", ["level5", "from0", "variance", "nan", "inf"])
+def test_clear_changes_are_found_after_they_start(change):
+    for seed in range(8):
+        s = scenario(seed, change)
+        d = detect_divergence(list(s.references), s.candidate)
+        assert d.diverged, (seed, s.phi, s.n_refs)
+        assert d.alert_step >= s.onset  # never reported before it happened
+        assert abs(d.onset_step - s.onset) <= (30 if change == "variance" else 10), d.departures
+        expected = {"variance": "variance", "nan": "nonfinite", "inf": "nonfinite"}.get(change, "level")
+        assert d.kind == expected
+
+
+def test_a_prefix_reports_what_the_whole_run_reports_at_its_last_step():
+    # causal: what `rldiag watch` sees on a running run is what the finished run says about that step
+    for change, seed in (("level3", 1), ("level5", 2), ("variance", 3), ("none", 4)):
+        s = scenario(seed, change)
+        full = detect_divergence(list(s.references), s.candidate)
+        for n in (150, 299, 305, 320, 400, 599):
+            part = detect_divergence(list(s.references), _prefix(s.candidate, n))
+            last = int(s.candidate.steps[n - 1])
+            if full.alert_step is not None and full.alert_step <= last:
+                assert part.alert_step == full.alert_step and part.kind == full.kind, (change, n)
+            else:
+                assert not part.diverged, (change, n, part.departures)
+
+
+def test_every_departure_is_returned_a_transient_then_a_lasting_one():
+    rng = np.random.default_rng(3)
+    refs = [trace(10 + rng.normal(0, 1, 600), f"r{i}") for i in range(3)]
+    c = 10 + rng.normal(0, 1, 600)
+    c[100:160] += 6.0  # 60 steps out, then back
+    c[400:] -= 6.0  # out to the end
+    d = detect_divergence(refs, trace(c))
+    assert [(x.kind, x.end_step is None) for x in d.departures] == [("level", False), ("level", True)]
+    first, second = d.departures
+    assert abs(first.onset_step - 100) <= 3 and 155 <= first.end_step <= 170 and first.delta > 5
+    assert abs(second.onset_step - 400) <= 3 and second.delta < -5
+    assert d.onset_step == first.onset_step and d.end_step == first.end_step  # the first, as before
+
+
+def test_magnitudes_in_metric_units_first_and_sigma_bounded():
+    rng = np.random.default_rng(0)
+    refs = [trace(1.0 + rng.normal(0, 1e-7, 40), f"r{i}") for i in range(2)]  # references agree to 1e-7
+    c = 1.0 + rng.normal(0, 1e-7, 40)
+    c[1:] = 1.263  # parity at step 0, then 26% off (engine-parity's raw logprobs)
+    d = detect_divergence(refs, trace(c))
+    assert d.onset_step == 1 and d.kind == "level"
+    text = departure_text("ratio mean", d.first)
+    assert text == "ratio mean 1.263 vs 1 (+26%, >1000 sd) from step 1", text
+    assert sigma_text(2.04) == "+2.0 sd" and sigma_text(-5e6) == "<-1000 sd" and sigma_text(float("nan")) == ""
+
+
+def test_options_from_the_command_line():
+    c = DivergenceConfig.from_options(["k=6", "windows=11,21", "change-windows=11:33", "seed_spread=0.3"])
+    assert (c.k, c.windows, c.change_windows, c.seed_spread) == (6.0, (11, 21), ((11, 33),), 0.3)
+    with pytest.raises(ValueError, match="'kk=6': use KEY=VALUE with KEY one of window, k, "):
+        DivergenceConfig.from_options(["kk=6"])
+    with pytest.raises(ValueError, match="k takes a float, e.g. k=5.0"):
+        DivergenceConfig.from_options(["k=big"])
