@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from rldiag.collectors.gradcheck import GradReport
 
@@ -61,8 +61,6 @@ class ScalerOverflowEvent:
     kind: str = "scaler_overflow"
 
     def as_dict(self) -> dict:
-        from dataclasses import asdict
-
         d = asdict(self)
         d["text"] = self.text()
         return d
