@@ -38,7 +38,7 @@ TORCH = "torch==2.13.0"  # the local CPU wheel: an unpinned torch would pull a m
 FOLDERS = {"rldiag": "rldiag", "collectors": "rldiag/collectors", "app": "rldiag/app",
            "experiments": "rldiag/experiments"}
 USER_PACKAGES = ("app", "collectors", "experiments")
-COMMANDS = ("demo", "sync", "experiment", "watch", "report", "app")
+COMMANDS = ("demo", "sync", "experiment", "watch", "report", "app", "preflight")
 EXTRA_HINT = "pip install 'rldiag[app]'"
 # what the test's own environment must not hand to the venv's interpreters
 LEAKY = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "VIRTUAL_ENV",
@@ -187,6 +187,11 @@ def test_every_command_helps_or_names_the_app_extra(venv: Venv):
     for name in ("app", "report"):
         assert _one_line_naming_the_extra(outcomes[name]), outcomes[name].stderr
         assert outcomes[name].stdout == ""
+    # preflight's help needs no extra; running it without vLLM and transformers names theirs, in one line
+    assert outcomes["preflight"].returncode == 0, outcomes["preflight"].stderr
+    res = venv.run("rldiag", "preflight", "--model", ".", timeout=300)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "pip install 'rldiag[vllm,hf]'" in lines[0], res.stderr
     print("\n" + "\n".join(f"rldiag {n} --help: exit {r.returncode}" + (f": {r.stderr.strip()}" if r.returncode else "")
                            for n, r in outcomes.items()))
 
