@@ -11,6 +11,9 @@
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
             opt.zero_grad()
+
+With fp16 and a GradScaler: `mon.step(step, model, loss=loss, scaler=scaler)`, then `scaler.step(opt)` and
+`scaler.update()` as usual (see `step`).
 """
 
 from __future__ import annotations
