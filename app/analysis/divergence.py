@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from rldiag.app.data.histories import Histories
 
 _quiet = quiet  # compare_runs' threads (below) and older callers
+DETECTOR_ENV = "RLDIAG_DETECTOR"  # KEY=VALUE options, space-separated: what `--detector` sets for every reader
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,15 @@ class DivergenceConfig:
         """Compared steps a candidate needs before staying inside says anything: the shortest window
         twice (a stretch at parity, then one outside it). Fewer, and no departure: "not enough steps"."""
         return 2 * self.windows[0]
+
+    @classmethod
+    def from_env(cls) -> DivergenceConfig:
+        """The options `rldiag report|watch|app --detector KEY=VALUE` set ($RLDIAG_DETECTOR), else the defaults."""
+        raw = os.environ.get(DETECTOR_ENV, "").split()
+        try:
+            return cls.from_options(raw)
+        except ValueError as e:
+            raise ValueError(f"${DETECTOR_ENV}: {e}") from None
 
     @classmethod
     def from_options(cls, options: Sequence[str]) -> DivergenceConfig:

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rldiag.app.cli.options import CliError, add_tracking_option, store_failed
+from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_option, store_failed
 from rldiag.app.dashboard import LOCAL_HOSTS, RLDIAG_ALLOW_URI_INPUT, RLDIAG_EXPERIMENT, RLDIAG_TRACKING_URI
 from rldiag.collectors.uri import redact_uri
 
@@ -40,6 +40,7 @@ def _port(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tracking_option(p, read=True)
+    add_detector_option(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to serve on (default: 127.0.0.1; 0.0.0.0 serves the whole network)")
     p.add_argument("--port", type=_port, default=8501, help="TCP port (default: 8501)")

@@ -24,6 +24,38 @@ def add_tracking_option(p: argparse.ArgumentParser, *, read: bool = False) -> No
                             f"histories are then read from it directly, read-only (default: ${BACKEND_ENV})")
 
 
+def add_detector_option(p: argparse.ArgumentParser) -> None:
+    """`--detector KEY=VALUE` (repeatable): the divergence detector's options, for this command and,
+    through $RLDIAG_DETECTOR, for the dashboard's server process."""
+    from rldiag.app.analysis.divergence import DivergenceConfig
+
+    names = ", ".join(f"{f}={_show(getattr(DivergenceConfig(), f))}" for f in DivergenceConfig.__dataclass_fields__)
+    p.add_argument("--detector", action=_DetectorOption, default=None, metavar="KEY=VALUE",
+                   help=f"a divergence-detector option, repeatable (defaults: {names}); see "
+                        "rldiag.app.analysis.divergence.DivergenceConfig")
+
+
+def _show(v) -> str:
+    if isinstance(v, tuple):
+        return ",".join(":".join(map(str, x)) if isinstance(x, tuple) else str(x) for x in v)
+    return str(v)
+
+
+class _DetectorOption(argparse.Action):
+    """Checks each option at once (exit 2 with the key and an example) and exports them all."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from rldiag.app.analysis.divergence import DETECTOR_ENV, DivergenceConfig
+
+        items = [*(getattr(namespace, self.dest) or []), values]
+        try:
+            DivergenceConfig.from_options(items)
+        except ValueError as e:
+            parser.error(f"--detector: {e}")
+        setattr(namespace, self.dest, items)
+        os.environ[DETECTOR_ENV] = " ".join(items)
+
+
 class _SetEnv(argparse.Action):
     """Store the value and export it, so that the dashboard's server process and every loader see it."""
 

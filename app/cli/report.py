@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rldiag.app.cli.options import CliError, add_tracking_option, store_failed
+from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_option, store_failed
 from rldiag.app.data.store import store_errors
 from rldiag.app.errors import DataError
 from rldiag.app.report.build import DEFAULT_HTML, DEFAULT_MARKDOWN, EXAMPLES, build_report, departure_lines
@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None, metavar="FILE", help="the Markdown summary's path (overrides --out)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     add_tracking_option(p, read=True)
+    add_detector_option(p)
 
 
 def run(args: argparse.Namespace) -> int:

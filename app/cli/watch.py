@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 
-from rldiag.app.cli.options import CliError, add_tracking_option, store_failed
+from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_option, store_failed
 from rldiag.app.data.store import open_store, store_errors
 from rldiag.app.errors import DataError
 from rldiag.app.watch.loop import DEFAULT_INTERVAL, EXAMPLES, Watcher, log, loop
@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also alert when a candidate run (tag rldiag.role=candidate) leaves the band of the "
                         "reference runs of its rldiag.group")
     add_tracking_option(p, read=True)
+    add_detector_option(p)
 
 
 def _interval(raw: str) -> float:

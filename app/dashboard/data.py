@@ -143,7 +143,7 @@ def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, l
 def divergences(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
                 metric_keys: tuple[str, ...]) -> dict[str, dict[str, Divergence]]:
     """`{key: {candidate: Divergence}}` against the references (several form a band); keyed on `stamp`."""
-    return compare_runs(_h, reference_ids, candidate_ids, metric_keys, DivergenceConfig())
+    return compare_runs(_h, reference_ids, candidate_ids, metric_keys, DivergenceConfig.from_env())
 
 
 @st.cache_data(ttl=3600, max_entries=256, show_spinner=False)

@@ -96,7 +96,7 @@ def render_report(histories: Histories, store: Store, reference_ids: Sequence[st
     the runs logged). ValueError names ids that are missing, empty or in both roles."""
     require_store(store)
     content = report_content(histories, store, reference_ids, candidate_ids, keys=keys, options=options,
-                             divergence_config=DivergenceConfig())
+                             divergence_config=DivergenceConfig.from_env())
     return Report(render_html(content), render_markdown(content), content)
 
 

@@ -57,7 +57,11 @@ def divergence_event(run_id: str, run_name: str, group: str, references: Sequenc
     """The event for a candidate that left its references' band on one metric (see `rldiag.app.analysis.divergence`);
     `cause`: its first likely cause in one line (`rldiag.app.analysis.causes.RunCauses.line`), "" if none fits."""
     delta = row["delta"]
-    size = f"; delta {delta:+.4g} ({row['delta_sigma']:+.1f} sigma)" if isinstance(delta, float) and math.isfinite(delta) else ""
+    from rldiag.app.analysis.divergence import sigma_text
+
+    sd = sigma_text(float(row["delta_sigma"])) if isinstance(row["delta_sigma"], float) else ""
+    size = (f"; delta {delta:+.4g}{f' ({sd})' if sd else ''}" if isinstance(delta, float) and math.isfinite(delta)
+            else "")
     text = (f"rldiag watch: run {run_name or run_id} ({run_id}) diverges from its reference(s) in group {group!r} "
             f"on {row['key']} from step {row['onset_step']} ({row['kind']}){size}" + (f"; {cause}" if cause else ""))
     return {"kind": "divergence", "source": SOURCE, "run_id": run_id, "run_name": run_name, "group": group,

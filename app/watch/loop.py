@@ -97,6 +97,9 @@ class Watcher:
             store = replace(store, writes_here=True)  # it writes tags into that file
         self.store, self.state, self.sinks = store, state, list(sinks)
         self.tag_runs, self.divergence, self.include_finished = tag_runs, divergence, include_finished
+        from rldiag.app.analysis.divergence import DivergenceConfig
+
+        self.detector = DivergenceConfig.from_env()  # `rldiag watch --detector KEY=VALUE`
         self.count_skipped = count_skipped  # one more search of every run a cycle: for --once, not each poll
         self._burst = (burst, burst_interval_s)
         self._exp_ids = self._resolve(experiments) if experiments else None
@@ -217,7 +220,7 @@ class Watcher:
             g, run_id, name = r.data.tags[keys.TAG_GROUP], r.info.run_id, r.info.run_name or ""
             if not refs.get(g):
                 continue
-            table = divergence_frame(compare_runs(self._div_h, refs[g], [run_id]))
+            table = divergence_frame(compare_runs(self._div_h, refs[g], [run_id], config=self.detector))
             rs, cause = None, None
             for row in table[table["onset_step"].notna()].to_dict("records"):
                 rs = rs or self.state.run(run_id, name)
