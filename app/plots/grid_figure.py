@@ -49,7 +49,10 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
     data: list[dict] = []
     layout: dict = {key: first[key] for key in ("template", "hovermode", "font") if key in first}
     layout.update(showlegend=True, annotations=[], shapes=[],
-                  legend=dict(first.get("legend", {}), orientation="h", x=0, xanchor="left", y=1, yanchor="bottom"))
+                  # traceorder "normal": entries left to right as _legend_rows estimates them ("grouped", the
+                  # default with legend groups, stacks a run's line and markers in a column of their own)
+                  legend=dict(first.get("legend", {}), orientation="h", x=0, xanchor="left", y=1, yanchor="bottom",
+                              traceorder="normal"))
     listed: set = set()
     for i, fig in enumerate(figures):
         row, col = divmod(i, columns)

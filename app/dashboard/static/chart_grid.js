@@ -49,5 +49,10 @@ function fitLegend(Plotly, chart) {
   if (!legend || !layout || !layout.margin || !base) return undefined;
   const top = Math.max(base.top, Math.ceil(legend.getBBox().height) + 4);
   if (top === layout.margin.t) return undefined;
-  return Plotly.relayout(chart, { "margin.t": top, height: base.height + (top - base.top) });
+  // A relayout of the height makes plotly.js pin the width it had (layout.width, autosize off): unpin it,
+  // or the chart would no longer follow its column.
+  return Plotly.relayout(chart, { "margin.t": top, height: base.height + (top - base.top) }).then(() => {
+    delete chart.layout.width;
+    chart.layout.autosize = true;
+  });
 }
