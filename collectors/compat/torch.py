@@ -128,7 +128,12 @@ def loss_scale_tensor(scaler) -> Tensor | None:
     """The scale `scaler` multiplies the loss by, as its own one-element tensor on the device (`_scale`:
     read with the step's other values, no host sync of its own), or None when the scaler is disabled or
     has scaled nothing yet."""
-    if scaler is None or not scaler.is_enabled():
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):  # torch.cuda.amp's and FSDP's ShardedGradScaler subclass it
+        raise TypeError(f"scaler={scaler!r} is no torch.amp.GradScaler; pass the GradScaler that scales the loss "
+                        "(torch.amp.GradScaler or FSDP's ShardedGradScaler), or scaler=None without loss scaling")
+    if not scaler.is_enabled():
         return None
     return getattr(scaler, "_scale", None)
 

@@ -252,3 +252,13 @@ def test_a_trainer_under_skip_trains_through_a_scaler_overflow_without_a_crash_o
     for step in (2, 3):
         assert ours[step] == pytest.approx(trainers[step], rel=1e-5)
         assert ours[step] < 100  # not the scaled norm (x 1024)
+
+
+def test_a_scaler_that_is_no_gradscaler_is_one_clear_error_and_a_disabled_one_changes_nothing(sqlite_uri):
+    model = mlp()
+    model(x_batch(0)).sum().backward()
+    with Monitor("amp", run_name="bad-scaler", tracking_uri=sqlite_uri) as mon:
+        with pytest.raises(TypeError, match=r"scaler=2\.0 is no torch\.amp\.GradScaler"):
+            mon.step(0, model, scaler=2.0)
+        assert mon.step(1, model, scaler=torch.amp.GradScaler("cpu", enabled=False))
+        assert mon.last_report.scale is None and mon.last_report.finite
