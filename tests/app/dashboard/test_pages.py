@@ -281,3 +281,13 @@ def test_nan_events_page_gives_no_all_clear_for_unchecked_gradients(store_uri, m
     at = app(store_uri, monkeypatch, "nan-events")
     assert not at.success  # no green "No non-finite gradient in the picked runs"
     assert any("not checked" in unescape_md(w.value) and "zero3" in unescape_md(w.value) for w in at.warning)
+
+
+def test_a_run_keeps_its_colour_when_the_picked_runs_change(dash_store, monkeypatch):
+    at = app(dash_store.uri, monkeypatch, "compare")
+    six = {t["name"]: t["line"]["color"] for t in figures(at)[keys.RATIO_MEAN] if t.get("mode") == "lines"}
+    assert len(six) == 6 and len(set(six.values())) == 6  # the reference and five candidates, six colours
+    # With only v1 shifted picked it was the first candidate (another colour before); now it keeps its own.
+    at.multiselect(key="sidebar.candidates").set_value([dash_store.ids["v1 shifted"]]).run()
+    two = {t["name"]: t["line"]["color"] for t in figures(at)[keys.RATIO_MEAN] if t.get("mode") == "lines"}
+    assert set(two) == {"v0 ref", "v1 shifted"} and two == {n: six[n] for n in two}

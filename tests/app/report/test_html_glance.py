@@ -1,8 +1,9 @@
 """The HTML report answers at a glance, on the real masked-vs-unmasked reproduction (issue 18 items 1-3, 8).
 
-One real store: `rldiag experiment masked-vs-unmasked` with 12 steps and configs 1x1 and 1x2, i.e. four
-runs (masked/unmasked x 1x1/1x2); only unmasked-b1xa2 has NaN gradients, at every step 1-12, in all
-30 parameter tensors of the tiny policy, its alerts file naming them and the padded token positions.
+One real store: `rldiag experiment masked-vs-unmasked` with 12 steps and configs 1x1, 1x2 and 2x1, i.e.
+six runs (masked/unmasked x 3 configs); unmasked-b1xa2 and unmasked-b2xa1 have NaN gradients at every
+step 1-12 (the same steps), in all 30 parameter tensors of the tiny policy, their alerts files naming
+them and the padded token positions.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def report(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp)  # journals and artifacts land in tmp
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        cfg = mvu.ExperimentConfig(base=mvu.DistillConfig(steps=STEPS), configs=((1, 1), (1, 2)), experiment="mvu")
+        cfg = mvu.ExperimentConfig(base=mvu.DistillConfig(steps=STEPS), configs=((1, 1), (1, 2), (2, 1)), experiment="mvu")
         mvu.run_experiment(cfg, tracking_uri=uri, progress=False)
         rep = build_report(uri, group=mvu.GROUP)
     path = tmp / "report.html"
@@ -47,15 +48,16 @@ def _rows(section: str) -> list[list[str]]:
 def test_nan_section_is_one_row_per_episode_with_the_steps_behind_it(report):
     rep, _ = report
     nan = _section(rep.html, "nan")
-    # 12 NaN steps of one run are one episode row (was: 12 rows, each listing the 30 tensor names)
-    [row] = _rows(nan)
-    assert row[:5] == ["unmasked-b1xa2", f"1-{STEPS}", str(STEPS), "NaN",
-                       "30 parameter tensors, the same at every step"]
+    # 12 NaN steps of a run are one episode row (was: 12 rows, each listing the 30 tensor names)
+    rows = _rows(nan)
+    assert [r[0] for r in rows] == ["unmasked-b1xa2", "unmasked-b2xa1"]
+    row = rows[0]
+    assert row[1:5] == [f"1-{STEPS}", str(STEPS), "NaN", "30 parameter tensors, the same at every step"]
     # the padded samples, each with its count of token positions: "micro-batch 1 sample 0: 21 token positions; ..."
     assert re.fullmatch(r"micro-batch \d sample \d: \d+ token positions(; micro-batch \d sample \d: \d+ token "
                         r"positions)*", row[5]), row[5]
     # the detail is folded: the names once, every step's positions in a closed <details>
-    [details] = re.findall(r"<details>.*?</details>", nan, re.S)
+    details = re.findall(r"<details>.*?</details>", nan, re.S)[0]
     assert details.count("head.weight") == 1 and details.count("<tr") == STEPS + 1  # header + one per step
     assert "<details open" not in nan
 
@@ -70,6 +72,11 @@ def test_config_table_has_no_alert_blob_and_sections_put_the_answer_first(report
     assert order.index("runs") > order.index("charts") and order.index("nan") > order.index("charts")
 
 
+# The NaN markers of grad/norm: per trace, its name, colour and the page y of its first marker.
+MARKERS_JS = """() => { const c = [...document.querySelectorAll('.chart')].find(c => c.dataset.key === 'grad/norm');
+    const ya = c._fullLayout.yaxis2;  // the hidden [0, 1] marker axis: where plotly.js placed the markers
+    return c._fullData.filter(t => / NaN$/.test(t.name)).map(t => [t.name, t.marker.color,
+        ya._offset + ya.l2p(t.y[0])]); }"""
 # Each drawn chart: its legend's entries, the boxes of the legend and the x axis title (page pixels).
 BOXES_JS = """() => [...document.querySelectorAll('.chart')].map(c => {
     const box = el => { if (!el) return null; const r = el.getBoundingClientRect();
@@ -90,6 +97,7 @@ def test_report_in_chromium_is_short_with_charts_first_and_legends_clear_of_the_
                                timeout=180_000)
         charts = {c["key"]: c for c in page.evaluate(BOXES_JS)}
         height = page.evaluate("() => document.documentElement.scrollHeight")
+        markers = page.evaluate(MARKERS_JS)
         screenshot(page, "report-glance")
     # The first screen (900 px) holds the verdict and the first charts; no table comes before them.
     first = min(c["top"] for c in charts.values())
@@ -101,7 +109,12 @@ def test_report_in_chromium_is_short_with_charts_first_and_legends_clear_of_the_
         assert lx1 <= tx0 or tx1 <= lx0 or ly1 <= ty0 or ty1 <= ly0, (key, c["legend"], c["xtitle"])
     # grad/norm of unmasked-b1xa2 is NaN at every step: the run keeps its legend entry, and its markers too
     assert {"unmasked-b1xa2", "unmasked-b1xa2 NaN"} <= set(charts["grad/norm"]["names"])
-    assert len(set(colors.values())) == len(colors)  # four runs, four colours
-    # 4 runs x 12 steps: the page was 20,926 px at 6 runs x 40 steps before the NaN episodes; each of
-    # these 12 NaN steps used to be a table row of about 130 px (30 names), now one row and a folded list.
+    assert len(set(colors.values())) == len(colors)  # six runs, six colours
+    # Two runs NaN at the same steps: both show, each in its colour, one a few pixels below the other
+    (a, color_a, y_a), (b, color_b, y_b) = markers
+    assert (a, b) == ("unmasked-b1xa2 NaN", "unmasked-b2xa1 NaN") and (color_a, color_b) == (
+        colors["unmasked-b1xa2"], colors["unmasked-b2xa1"])
+    assert y_b - y_a > 5  # 0.04 of a ~225 px plot area: about 9 px
+    # 6 runs x 12 steps: the page was 20,926 px at 6 runs x 40 steps before the NaN episodes; each of
+    # these 24 NaN steps used to be a table row of about 130 px (30 names), now one row a run and a folded list.
     assert height < 6000, height
