@@ -57,7 +57,6 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
     [onset] = ratio["diverges: v1 shifted"]["x"]
     assert abs(onset - SHIFT_AT) <= 3
     assert "diverges: v1 shifted" in by_name(figs[keys.KL_NEW_OLD])
-    every = [t["name"] for ts in figs.values() for t in ts]
     # v1 shifted leaves the band; unmasked's NaN grad norm where the reference is finite is a nonfinite
     # departure at once (the detector of 6b6419a), on grad/norm only; the seeds never leave it
     onsets = {(title, t["name"]) for title, ts in figs.items() for t in ts if t["name"].startswith("diverges: ")}
@@ -175,7 +174,8 @@ def test_nan_events_lists_steps_parameters_and_tokens(dash_store, monkeypatch):
     # NaN at 40, 41, 200 and inf at 250 with finite steps between: three episodes, one row each
     episodes = html_tables(at.markdown)[0]
     assert episodes["run"].unique().tolist() == ["unmasked"]
-    assert episodes["steps"].tolist() == ["40-41", "200", "250"] and episodes["steps (count)"].tolist() == ["2", "1", "1"]
+    assert episodes["steps"].tolist() == ["40-41", "200", "250"]
+    assert episodes["steps (count)"].tolist() == ["2", "1", "1"]
     assert episodes["grad norm"].tolist() == ["NaN", "NaN", "inf"]  # never None
     tagged = episodes.set_index("steps").loc["200"]
     assert tagged["source"] == "tag" and tagged["parameters"] == "2 parameter tensors, at this step"

@@ -26,7 +26,8 @@ def report(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp)  # journals and artifacts land in tmp
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        cfg = mvu.ExperimentConfig(base=mvu.DistillConfig(steps=STEPS), configs=((1, 1), (1, 2), (2, 1)), experiment="mvu")
+        cfg = mvu.ExperimentConfig(base=mvu.DistillConfig(steps=STEPS), configs=((1, 1), (1, 2), (2, 1)),
+                                   experiment="mvu")
         mvu.run_experiment(cfg, tracking_uri=uri, progress=False)
         rep = build_report(uri, group=mvu.GROUP)
     path = tmp / "report.html"
