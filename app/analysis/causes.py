@@ -310,7 +310,7 @@ def _optimizer(r: _Run) -> list[Cause]:
         return []
     deps = departures_after_updates(r.h, r.run, r.refs)
     sig = [f"{d.key} leaves the reference seeds' range at step {d.step} ({_g(d.value)} vs {_g(d.low)} to "
-           f"{_g(d.high)}, their range widened by their step-to-step wiggle)" for d in deps[:3]]
+           f"{_g(d.high)}: their range widened by twice their spread or step-to-step wiggle)" for d in deps[:3]]
     sig += [t for t in r.departures if not any(t.startswith(d.key + " ") for d in deps)][:2]
     if not sig:
         return []

@@ -169,13 +169,13 @@ def _entropy_runs(cand: list[float]):
 
 
 def test_learning_rate_after_parity_is_the_optimizer_cause(store_uri):
-    # step 1: refs 2.98 and 2.97, widened by 0.02 each side: 2.95..3.00; the candidate at 2.7, then 2.4, 2.1
+    # step 1: refs 2.98 and 2.97, widened by 2 x 0.02 (the wiggle) each side: 2.93..3.02; the candidate at 2.7, 2.4, 2.1
     refs, fast = _entropy_runs([3.0, 2.7, 2.4, 2.1, 1.8])
     (rc,) = judge(store_uri, [(V0, r) for r in refs], [({**V0, "loop.lr": "0.01"}, fast)])
     assert [c.id for c in rc.causes] == ["optimizer"]
     assert rc.first.signature[0] == "parity holds at step 0, before any update (mismatch mean 2e-07)"
     assert rc.first.signature[1].startswith(
-        "policy/entropy leaves the reference seeds' range at step 1 (2.7 vs 2.95 to 3"
+        "policy/entropy leaves the reference seeds' range at step 1 (2.7 vs 2.93 to 3.02"
     )
     assert rc.first.settings == ("loop.lr 0.01 vs 0.001",)
 
@@ -239,8 +239,8 @@ def test_a_trainer_nan_filter_is_named_where_the_logged_loss_hides_the_nan(store
 
 def test_a_long_run_of_seed_noise_is_no_optimizer_departure():
     # 100k steps of the same N(1, 0.01) noise in three seeds and the candidate: somewhere 3 steps in a row
-    # fall outside the seeds' range by chance (before the "it lasts" rule this named the optimizer), but
-    # never half of the rest of the run. In-memory traces: 100k steps x 4 runs is minutes through a store.
+    # fall outside the seeds' range widened by 1x their spread by chance (that named the optimizer), never
+    # outside 2x. In-memory traces: 100k steps x 4 runs is minutes through a store.
     import numpy as np
 
     from rldiag.app.data.histories import Histories
