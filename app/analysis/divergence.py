@@ -172,6 +172,8 @@ class Divergence:
     alert_step: int | None = None  # when a watcher polling every step first reports the first departure
     departures: tuple[Departure, ...] = field(default=())  # every departure, in order of onset
     detectable: float = float("nan")  # smallest lasting shift (metric units) the longest window flags
+    candidate_level: float = float("nan")  # the candidate's median over the first departure, metric units
+    reference_level: float = float("nan")  # the reference centre's median over it
 
     @property
     def diverged(self) -> bool:
@@ -214,16 +216,21 @@ def sigma_text(x: float) -> str:
     return f"{x:+.1f} sd"
 
 
+def size_text(candidate: float, reference: float, delta_sigma: float) -> str:
+    """"1.263 vs 1 (+26%, +8.0 sd)": metric units first, relative to the reference, sd last and bounded."""
+    if not (math.isfinite(candidate) and math.isfinite(reference)):
+        return sigma_text(delta_sigma)
+    rel = (candidate - reference) / abs(reference) if reference else float("nan")
+    extra = [f"{rel:+.0%}"] * (math.isfinite(rel) and abs(rel) < 100) + [sigma_text(delta_sigma)] * bool(sigma_text(delta_sigma))
+    return f"{candidate:.4g} vs {reference:.4g}" + (f" ({', '.join(extra)})" if extra else "")
+
+
 def departure_text(key: str, d: Departure) -> str:
     """"ratio mean 1.263 vs 1.000 (+26%, +8.0 sd) from step 0" — metric units first, sd second."""
     if d.kind == "nonfinite":
         text = f"{key} non-finite from step {d.onset_step}"
     else:
-        rel = d.relative
-        pct = f"{rel:+.0%}, " if math.isfinite(rel) and abs(rel) < 100 else ""
-        what = "noise" if d.kind == "variance" else key
-        sd = sigma_text(d.delta_sigma)
-        text = (f"{what} {d.candidate:.4g} vs {d.reference:.4g} ({pct}{sd}) from step {d.onset_step}"
+        text = (f"{key} {size_text(d.candidate, d.reference, d.delta_sigma)} from step {d.onset_step}"
                 if d.kind == "level" else
                 f"{key} noise x{d.delta_sigma:.1f} the reference's from step {d.onset_step}")
     if d.end_step is not None:
@@ -327,11 +334,12 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     d0 = deps[0]
     return Divergence(candidate.key, d0.onset_step, d0.kind, d0.end_step, d0.delta,
                       d0.delta_sigma if d0.kind == "level" else float("nan"), first_bad, compared,
-                      config.min_steps, d0.alert_step, tuple(deps), detectable)
+                      config.min_steps, d0.alert_step, tuple(deps), detectable, d0.candidate, d0.reference)
 
 
 DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
-                      "first_nonfinite_step", "steps_compared", "steps_needed", "alert_step", "detectable", "status"]
+                      "first_nonfinite_step", "steps_compared", "steps_needed", "alert_step", "detectable",
+                      "candidate_level", "reference_level", "status"]
 
 
 def compare_runs(histories: Histories, reference_ids: Sequence[str], candidate_ids: Sequence[str],

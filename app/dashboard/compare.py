@@ -10,7 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from rldiag.app.analysis.causes import RunCauses, likely_causes
-from rldiag.app.analysis.divergence import CandidateSummary, summarize
+from rldiag.app.analysis.divergence import CandidateSummary, size_text, summarize
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
 from rldiag.app.dashboard.selection import (
@@ -85,8 +85,8 @@ def summary_line(s: CandidateSummary, label: str) -> str:
         how = str(first.kind)
         if first.kind == "nonfinite" and first.first_nonfinite_step is not None:
             how = f"non-finite from step {first.first_nonfinite_step}"
-        elif pd.notna(first.delta_sigma):
-            how += f", {first.delta_sigma:+.3g} sigma"
+        elif pd.notna(first.delta):
+            how += ", " + size_text(first.candidate_level, first.reference_level, first.delta_sigma)
         more = f"; {len(s.departures)} metrics in all" if len(s.departures) > 1 else ""
         parts.append(f"leaves it first on {escape_md(first.key)} at step **{first.onset_step}** ({how}){more}")
     parts += [escape_md(p) for p in evidence_parts(s)]

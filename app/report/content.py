@@ -26,6 +26,7 @@ from rldiag.app.analysis.divergence import (
     DivergenceConfig,
     compare_runs,
     divergence_frame,
+    size_text,
     summarize,
 )
 from rldiag.app.analysis.nan_events import nan_events, unchecked_steps
@@ -35,6 +36,9 @@ from rldiag.app.data.store import Store
 from rldiag.app.plots.figures import ChartOptions, metric_figure, run_colors, run_order
 from rldiag.collectors import keys as K
 from rldiag.collectors.uri import redact_uri
+
+# Per-run alert state (a 2 KB JSON of the last alert among them), not configuration: left out of the config diff.
+ALERT_TAGS = tuple(v for k, v in vars(K).items() if k.startswith("TAG_ALERT_"))
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class ReportContent:
     causes: tuple[RunCauses, ...] = ()  # per candidate, in candidate order: likely causes with their evidence
     unchecked: dict[str, list[int]] = field(default_factory=dict)  # run -> steps with grad/found = 0
     histories: Histories | None = None  # what was loaded (the NaN episodes read which steps were checked)
+    alerts: dict[str, list[dict]] = field(default_factory=dict)  # run -> its alert events (where a NaN entered)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -139,13 +144,15 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     nonfinite = nonfinite[nonfinite["key"].isin(keys)].reset_index(drop=True)
     configs = {r.info.run_id: RunConfig(dict(r.data.params), tags[r.info.run_id]) for r in runs}
     diff = config_diff(configs, labels=labels)
+    diff = diff[~diff["name"].isin(ALERT_TAGS)].reset_index(drop=True)  # alert state: the NaN section says it
     causes = tuple(likely_causes(histories, configs, refs, cands, summaries=summaries, alerts=alerts))
 
     groups = sorted({i.group for i in infos if i.group})
     title = (f"group {', '.join(groups)}: " if groups else "") + f"{len(cands)} candidate(s) vs {len(refs)} reference(s)"
     return ReportContent(title, redact_uri(store.uri), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), infos,
                          tuple(keys), divergence, events, nonfinite, diff, figures, summaries, causes,
-                         {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories)
+                         {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories,
+                         alerts=alerts)
 
 
 def _color_order(store: Store, runs: list) -> list[str]:
@@ -207,7 +214,9 @@ def departure_text(row: dict) -> str:
     if row["kind"] == "nonfinite":
         size = "non-finite where the references are finite"
     else:
-        size = f"delta {fmt_stat(row['delta'], 3)} ({fmt_stat(row['delta_sigma'], 3)} sigma)"
+        size = f"delta {fmt_stat(row['delta'], 3)}: " + size_text(row.get("candidate_level", float("nan")),
+                                                                   row.get("reference_level", float("nan")),
+                                                                   row["delta_sigma"])
     end = "" if row["end_step"] is None else f" to step {row['end_step']}"
     return f"{row['key']} leaves the reference band at step {row['onset_step']}{end} ({row['kind']}, {size})"
 

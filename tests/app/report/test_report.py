@@ -103,6 +103,9 @@ def test_markdown_says_where_the_shifted_candidate_diverges(report, runs):
     assert len(hit) == 1 and hit[0]["onset step"] == str(onset) and hit[0]["kind"] == "level"
     assert 0.06 < float(hit[0]["delta"]) < 0.10  # + 0.08
     assert f"- cand-shifted: policy/ratio\\_mean leaves the reference band at step {onset}" in report.markdown
+    # magnitudes in metric units first, relative to the reference, sd last: "delta 0.08: 1.08 vs 1 (+8%, +7.9 sd)"
+    assert re.search(r"ratio\\_mean leaves the reference band at step \d+ \(level, delta 0\.0[6-9]\d*: 1\.0[6-9]\d* "
+                     r"vs (1|0\.99\d*|1\.00\d*) \(\+[6-9]%, \+\d+\.\d sd\)\)", report.markdown), report.markdown
 
 
 def test_markdown_lists_nonfinite_gradient_steps(report):
