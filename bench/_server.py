@@ -1,4 +1,4 @@
-"""A real `mlflow server --workers 1` on 127.0.0.1 over a SQLite file, which can be killed and restarted.
+"""A real `mlflow server --workers 1` (`workers=N`) on 127.0.0.1 over a SQLite file, which can be killed and restarted.
 
 `MlflowServer(root, backend_store_uri=..., serve_artifacts=True)` puts it over another store (the
 PostgreSQL tests) and proxies artifacts (`--serve-artifacts --artifacts-destination root/artifacts`).
@@ -26,12 +26,13 @@ def free_port() -> int:
 
 class MlflowServer:
     def __init__(self, root: Path, port: int | None = None, *, backend_store_uri: str | None = None,
-                 serve_artifacts: bool = False):
+                 serve_artifacts: bool = False, workers: int = 1):
         self.root = root
         self.port = port or free_port()
         self.db = root / "server.db"
         self.backend_store_uri = backend_store_uri or f"sqlite:///{self.db}"
         self.serve_artifacts = serve_artifacts  # clients upload through the server, as a team's would
+        self.workers = workers  # uvicorn workers (bench.team_load runs 2, as a team's server would)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -43,7 +44,7 @@ class MlflowServer:
         t0 = time.monotonic()
         cmd = [
             sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-            "--workers", "1", "--backend-store-uri", self.backend_store_uri,
+            "--workers", str(self.workers), "--backend-store-uri", self.backend_store_uri,
         ]
         if self.serve_artifacts:
             cmd += ["--serve-artifacts", "--artifacts-destination", str(self.root / "artifacts")]

@@ -1,0 +1,28 @@
+"""bench.team_load at a small size: several training processes into one PostgreSQL-backed `mlflow server`
+with 2 workers, the server SIGKILLed and restarted in the middle; nothing lost, nothing duplicated.
+
+(Without PostgreSQL's binaries this fails with the fix, `sudo make sysdeps`, as tests/deploy does.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.team_load import run_load
+from tests.postgres import PostgresMissing
+
+
+@pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.postgres
+def test_writers_into_one_postgres_backed_server_killed_once_lose_and_duplicate_nothing():
+    # 3 writers x 10 metrics x 10 steps/s x 6 s = 1800 points, the server down for 2 s plus its restart
+    try:
+        r = run_load(writers=3, metrics=10, rate=10, seconds=6, down_s=2, close_timeout=300)
+    except PostgresMissing as e:
+        pytest.fail(str(e), pytrace=False)
+    assert r["expected"] == 3 * 10 * 60
+    assert r["lost"] == 0 and r["duplicated"] == 0 and r["stored_distinct"] == 1800
+    for w in r["writers"]:
+        assert w["undelivered"] == 0 and w["delivered"] == 600
+        assert w["send_failures"] > 0  # each writer met the outage (it logged through it)
