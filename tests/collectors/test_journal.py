@@ -291,3 +291,31 @@ def test_journal_of_rldiag_before_segments_is_read_and_only_its_undelivered_batc
     assert stats.replayed == 20 and stats.undelivered == 0
     assert history(sqlite_uri, run_id, "k3") == [(s, s + 0.75) for s in range(300, 305)]  # only the unacked
     assert os.listdir(spill) == []
+
+
+def test_sync_of_a_spill_folder_delivers_each_journal_once(sqlite_uri, tmp_path, capsys):
+    """Two runs' journals, one of them in 3 segments (all undelivered: the store was down): `rldiag sync
+    FOLDER` delivers both, one line each; naming two segments of one journal syncs it once."""
+    spill = tmp_path / "spill"
+    runs = [new_run(sqlite_uri, "r1"), new_run(sqlite_uri, "r2")]
+    for run_id, seg in zip(runs, (1024, 1 << 20)):
+        w = MetricWriter(run_id, Down(make_sender(sqlite_uri)), tracking_uri=sqlite_uri, spill_dir=spill,
+                         segment_bytes=seg, backoff_s=(0.01, 0.05))
+        for step in range(100):
+            w.log_metrics({"x": float(step)}, step)
+            if step % 40 == 39:
+                time.sleep(0.2)  # separate batches, so that the small segments rotate
+        time.sleep(0.3)
+        assert w.close(timeout=1).undelivered == 100
+    assert len(segment_files(spill, runs[0])) >= 3 and len(segment_files(spill, runs[1])) == 1
+    capsys.readouterr()
+    segs = [str(p) for _, p in segment_files(spill, runs[0])[:2]]
+    assert main(["sync", *segs]) == 0  # two segments of one journal: synced once
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "delivered 100 points; journal removed" in out[0]
+    assert main(["sync", str(spill)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"{journal_path(spill, runs[1])}: delivered 100 points; journal removed"]
+    for run_id in runs:
+        assert history(sqlite_uri, run_id, "x") == [(s, float(s)) for s in range(100)]
+    assert os.listdir(spill) == []
