@@ -7,8 +7,9 @@ from __future__ import annotations
 import streamlit as st
 
 from rldiag.app.dashboard import data
-from rldiag.app.dashboard.config_table import ALERT_TAGS, config_html
+from rldiag.app.dashboard.config_table import config_html
 from rldiag.app.dashboard.selection import current, needs_runs
+from rldiag.app.report.content import ALERT_TAGS
 
 
 def render() -> None:

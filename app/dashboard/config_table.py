@@ -16,11 +16,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from rldiag.collectors import keys
-
 MAX_CHARS = 120  # a cell; a longer value shows its start and its length
-# Per-run alert state, not configuration (a 2 KB JSON per NaN run): the NaN events page says it.
-ALERT_TAGS = tuple(v for k, v in vars(keys).items() if k.startswith("TAG_ALERT_"))
 CSS = """
 .rldiag-config table { table-layout: fixed; width: 100%; border-collapse: collapse; font-size: 13px; }
 .rldiag-config th, .rldiag-config td { border: 1px solid #ddd; padding: 3px 6px; vertical-align: top;

@@ -17,7 +17,7 @@ from rldiag.app.dashboard.html_table import html_table
 from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs
 from rldiag.app.data.histories import nonfinite_table
 from rldiag.app.report.content import fmt
-from rldiag.app.report.nan_episodes import Episode, nan_episodes
+from rldiag.app.report.nan_episodes import Episode, nan_episodes, origin_text
 from rldiag.collectors import keys
 
 GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.GRAD_FOUND, keys.LOSS)
@@ -35,9 +35,9 @@ def event_table(sel: Selection, events: pd.DataFrame) -> pd.DataFrame:
     return out.rename(columns={"grad_norm": "grad norm", "n_params": "# params", "positions": "samples / tokens"})
 
 
-def episode_table(sel: Selection, episodes: list[Episode]) -> pd.DataFrame:
+def episode_table(sel: Selection, episodes: list[Episode], alerts: dict | None = None) -> pd.DataFrame:
     """One row per episode, as the page shows it (a static table: its text wraps, nothing is cut)."""
-    return pd.DataFrame({
+    table = pd.DataFrame({
         "run": [sel.labels[ep.run_id] for ep in episodes],
         "steps": [ep.steps_text for ep in episodes],
         "steps (count)": [len(ep.rows) for ep in episodes],
@@ -46,12 +46,16 @@ def episode_table(sel: Selection, episodes: list[Episode]) -> pd.DataFrame:
         "samples / tokens": [ep.positions_text for ep in episodes],
         "source": [ep.source_text for ep in episodes],
     })
+    origins = [origin_text(ep, alerts) for ep in episodes]
+    if any(o != "-" for o in origins):  # where the NaN entered, once the collectors said it
+        table.insert(4, "where it entered", origins)
+    return table
 
 
-def _episodes(sel: Selection, events: pd.DataFrame, h) -> None:
+def _episodes(sel: Selection, events: pd.DataFrame, h, alerts: dict) -> None:
     episodes = nan_episodes(events, h, list(sel.picked))
     st.subheader("Steps with non-finite gradients")
-    st.markdown(html_table(episode_table(sel, episodes), numeric=("steps (count)",)), unsafe_allow_html=True)
+    st.markdown(html_table(episode_table(sel, episodes, alerts), numeric=("steps (count)",)), unsafe_allow_html=True)
     st.caption("One row per run and stretch of consecutive non-finite steps; every step under it. `source`: "
                "`alerts` from the run's rldiag/alerts.jsonl, `tag` from its last-alert tag (while it runs), "
                "`metrics` from grad/finite or a NaN/inf grad norm (any trainer).")
@@ -99,7 +103,7 @@ def render() -> None:
         st.success("No non-finite gradient in the picked runs (grad/finite and the grad norm are finite "
                    "at every logged step).", icon=":material/check:")
     else:
-        _episodes(sel, events, h)
+        _episodes(sel, events, h, alerts)
     other = nonfinite_table(h, ids)
     other = other[other["key"] != keys.GRAD_FINITE]
     if len(other):

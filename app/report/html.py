@@ -15,12 +15,10 @@ from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
-from rldiag.app.report.nan_episodes import nan_episodes
-from rldiag.collectors import keys as K
+from rldiag.app.report.nan_episodes import nan_episodes, origin_text
 
 MAX_EVENT_ROWS = 2000  # per-step rows under the NaN episodes; the charts keep every non-finite step regardless
 MAX_CONFIG_CHARS = 120  # a config cell; longer values are cut with their length said
-ALERT_TAGS = tuple(v for k, v in vars(K).items() if k.startswith("TAG_ALERT_"))  # per-run alert state, not config
 PLOTLY_CONFIG = '{"responsive": true, "displaylogo": false}'
 # Inline scripts and styles only: no fetch, no font, no image from anywhere (plotly exports to data: URLs).
 CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
@@ -149,9 +147,11 @@ def _nan_events(c: ReportContent) -> str:
                 else "<p>No step with a non-finite gradient in any run.</p>")
     labels = c.labels
     episodes = nan_episodes(ev, c.histories, [r.run_id for r in c.runs])
-    rows = [([e(labels[ep.run_id]), e(ep.steps_text), fmt(len(ep.rows)), e(ep.norm_text), e(ep.params_text),
-              e(ep.positions_text), e(ep.source_text)], "") for ep in episodes]
-    table = _table(["run", "steps", "# steps", "grad norm", "parameters", "samples / tokens", "source"], rows, {2})
+    rows = [([e(labels[ep.run_id]), e(ep.steps_text), fmt(len(ep.rows)), e(ep.norm_text),
+              e(origin_text(ep, c.alerts)), e(ep.params_text), e(ep.positions_text), e(ep.source_text)], "")
+            for ep in episodes]
+    table = _table(["run", "steps", "# steps", "grad norm", "where it entered", "parameters", "samples / tokens",
+                    "source"], rows, {2})
     budget = MAX_EVENT_ROWS
     details = []
     for ep in episodes:
@@ -182,8 +182,7 @@ def _nonfinite(c: ReportContent) -> str:
 
 
 def _config(c: ReportContent) -> str:
-    diff = c.config_diff
-    diff = diff[~diff["name"].isin(ALERT_TAGS)]  # the alert itself: the NaN section says it, in words
+    diff = c.config_diff  # without the alert tags (content.ALERT_TAGS): the NaN section says them in words
     if diff.empty:
         return "<p>Every param and tag is the same in all runs.</p>"
     rows = [([e(group), e(kind), f"<code>{e(name)}</code>", *(e(_cell(fmt_value(v))) for v in values)], "")

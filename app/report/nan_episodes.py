@@ -4,6 +4,7 @@ episodes: one per run and stretch of consecutive bad steps, said in one line eac
     for ep in nan_episodes(events, histories):
         ep.steps_text, ep.params_text, ep.positions_text   # "1-40", "30 parameter tensors, the same at every step", ...
         ep.rows                                            # the per-step rows behind it (the detail on demand)
+        origin_text(ep, alerts)                            # where its NaN entered, if an alert says it
 
 A stretch ends at a logged step whose gradients were finite (grad/finite or the grad norm logged and
 fine), so a trainer that logs every 10th step still has one episode for steps 10, 20, 30; without
@@ -166,3 +167,15 @@ def nan_episodes(events: pd.DataFrame, h: Histories | None = None,
         for i, j in zip(starts, [*starts[1:], len(steps)]):
             out.append(Episode(run_id, rows.iloc[i:j].reset_index(drop=True)))
     return out
+
+
+def origin_text(ep: Episode, alerts: dict[str, list[dict]] | None) -> str:
+    """Where the episode's NaN entered, as the first alert of its steps that says it (the collectors'
+    `origin`: from the loss's backward at these tokens, or the first parameter in backward order); "-"
+    where no alert says it."""
+    steps = set(ep.steps)
+    for event in (alerts or {}).get(ep.run_id, []):
+        text = (event.get("origin") or {}).get("text") if isinstance(event.get("origin"), dict) else None
+        if text and event.get("step") in steps:
+            return str(text)
+    return "-"

@@ -8,6 +8,7 @@ them and the padded token positions.
 
 from __future__ import annotations
 
+import html
 import re
 
 import pytest
@@ -53,10 +54,13 @@ def test_nan_section_is_one_row_per_episode_with_the_steps_behind_it(report):
     rows = _rows(nan)
     assert [r[0] for r in rows] == ["unmasked-b1xa2", "unmasked-b2xa1"]
     row = rows[0]
-    assert row[1:5] == [f"1-{STEPS}", str(STEPS), "NaN", "30 parameter tensors, the same at every step"]
+    assert row[1:4] == [f"1-{STEPS}", str(STEPS), "NaN"]
+    # where it entered, as the collectors' alert says (the padded tokens of the loss's backward)
+    assert html.unescape(row[4]).startswith("NaN entered from the loss's backward (the loss was finite)")
+    assert row[5] == "30 parameter tensors, the same at every step"
     # the padded samples, each with its count of token positions: "micro-batch 1 sample 0: 21 token positions; ..."
     assert re.fullmatch(r"micro-batch \d sample \d: \d+ token positions(; micro-batch \d sample \d: \d+ token "
-                        r"positions)*", row[5]), row[5]
+                        r"positions)*", row[6]), row[6]
     # the detail is folded: the names once, every step's positions in a closed <details>
     details = re.findall(r"<details>.*?</details>", nan, re.S)[0]
     assert details.count("head.weight") == 1 and details.count("<tr") == STEPS + 1  # header + one per step
