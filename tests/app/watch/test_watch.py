@@ -134,6 +134,33 @@ def test_divergence_alerts_once_per_metric(store_uri, tmp_path):
     assert w.poll().alerts == 0  # once per (run, metric)
 
 
+def test_divergence_alert_comes_within_a_few_steps_on_a_running_run(store_uri, tmp_path):
+    """Online: the watcher polls after every step of a RUNNING candidate; a 5-sd shift of its ratio
+    mean from step 80 is alerted within 8 steps of it (the detector's 11-step windows need 6 shifted
+    points), never before it."""
+    rng = np.random.default_rng(1)
+    group = {keys.TAG_GROUP: "live"}
+    for seed in range(3):
+        noise = rng.normal(0, 0.01, 200)
+        write_run(store_uri, name=f"ref{seed}", tags={**group, keys.TAG_ROLE: "reference"},
+                  steps=[(s, {keys.RATIO_MEAN: 1.0 + noise[s]}) for s in range(200)])
+    noise = rng.normal(0, 0.01, 200)
+    values = 1.0 + noise + np.where(np.arange(200) >= 80, 0.05, 0.0)
+    cand = write_run(store_uri, name="cand", tags={**group, keys.TAG_ROLE: "candidate"}, finish=False,
+                     steps=[(s, {keys.RATIO_MEAN: float(values[s])}) for s in range(60)])
+    alerts = tmp_path / "alerts.jsonl"
+    w = Watcher(open_store(store_uri), WatchState(tmp_path / "s.json"), [JsonlSink(alerts)], divergence=True)
+    first = None
+    for step in range(60, 120):
+        write_run(store_uri, run_id=cand, finish=False, steps=[(step, {keys.RATIO_MEAN: float(values[step])})])
+        if w.poll().alerts:
+            first = step
+            break
+    assert first is not None and 80 <= first <= 88, first  # known at most 8 steps after the shift
+    (e,) = read_events(alerts)
+    assert e["run_id"] == cand and e["key"] == keys.RATIO_MEAN and abs(e["step"] - 80) <= 2
+
+
 def test_bad_input_is_one_line_and_exit_2(store_uri, tmp_path, capsys):
     running_run(store_uri, "r", experiment="grpo")
     cases = [
