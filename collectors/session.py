@@ -77,7 +77,7 @@ class RunSession:
 
     Keyword options:
       experiment, run_name, tags, params: the run (params may be nested dicts; logged as dotted keys).
-      run_id: resume this run instead of creating one (an earlier journal of it is replayed).
+      run_id: resume this run instead of creating one (its journals that no live process holds are replayed).
       tracking_uri: MLflow store; default `MLFLOW_TRACKING_URI`, else `sqlite:///mlruns.db` here.
       policy: on non-finite gradients `warn` (alert, step anyway), `skip` (alert, the caller zeroes
         the grads and does not step) or `raise` (alert, raise `NonFiniteGradientError`).
