@@ -10,6 +10,7 @@ from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_o
 from rldiag.app.data.store import store_errors
 from rldiag.app.errors import DataError
 from rldiag.app.report.build import DEFAULT_HTML, DEFAULT_MARKDOWN, EXAMPLES, build_report, departure_lines
+from rldiag.collectors import keys as K
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidate", action="append", default=None, metavar="RUN",
                    help="candidate run: name, id or id prefix (repeatable; default: the group's candidates)")
     p.add_argument("--experiment", default=None, metavar="NAME", help="only runs of this experiment")
+    p.add_argument("--all-groups", action="store_true",
+                   help="one report per rldiag.group that has reference and candidate runs (in --experiment, "
+                        "else the whole store), each in DIR/<group>/")
     p.add_argument("--metrics", action="append", default=None, metavar="KEY[,KEY]",
                    help="metrics to chart and compare (default: every canonical metric the runs logged)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -44,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"rldiag report: {msg}", file=sys.stderr, flush=True)
 
+    if args.all_groups:
+        if args.group or args.reference or args.candidate or args.html or args.markdown:
+            raise CliError("--all-groups writes every group's report into --out DIR/<group>/; drop --group, "
+                           "--reference, --candidate, --html and --markdown with it")
+        return _all_groups(args, out, metrics, progress)
     try:
         report = build_report(args.tracking_uri, reference=args.reference, candidates=args.candidate,
                               group=args.group, experiment=args.experiment, keys=metrics, progress=progress)
@@ -61,3 +70,45 @@ def run(args: argparse.Namespace) -> int:
     for line in departure_lines(report):
         print(line)
     return 0
+
+
+def comparable_groups(tracking_uri: str | None, experiment: str | None) -> list[str]:
+    """The rldiag.group values with both reference and candidate runs, sorted."""
+    from rldiag.app.data.runs import find_runs
+    from rldiag.app.data.store import open_store
+
+    runs = find_runs(open_store(tracking_uri), experiments=experiment)
+    roles = runs.groupby("group")["role"].agg(set) if len(runs) else {}
+    return sorted(str(g) for g, r in dict(roles).items() if g and {"reference", "candidate"} <= set(r))
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "_"
+
+
+def _all_groups(args: argparse.Namespace, out: Path, metrics, progress) -> int:
+    try:
+        groups = comparable_groups(args.tracking_uri, args.experiment)
+    except DataError as e:
+        raise CliError(str(e)) from None
+    except store_errors() as e:
+        raise store_failed(args.tracking_uri, e) from None
+    if not groups:
+        raise CliError("no rldiag.group has both reference and candidate runs"
+                       + (f" in experiment {args.experiment!r}" if args.experiment else "")
+                       + f"; tag runs {K.TAG_ROLE}=reference / candidate and rldiag.group=G")
+    for g in groups:
+        progress(f"group {g!r} ({groups.index(g) + 1} of {len(groups)})")
+        try:
+            report = build_report(args.tracking_uri, group=g, experiment=args.experiment, keys=metrics,
+                                  progress=progress)
+            written = report.write(out / _safe(g) / DEFAULT_HTML, out / _safe(g) / DEFAULT_MARKDOWN)
+        except (DataError, ValueError) as e:
+            raise CliError(f"group {g!r}: {e}") from None
+        except OSError as e:
+            raise CliError(f"cannot write the report ({e}); pass --out DIR somewhere writable") from None
+        print(f"## group {g}: wrote {', '.join(str(p) for p in written)}")
+        for line in departure_lines(report):
+            print(line)
+    return 0
+
