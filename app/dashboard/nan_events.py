@@ -60,9 +60,10 @@ def _episodes(sel: Selection, events: pd.DataFrame, h, alerts: dict) -> None:
                "`alerts` from the run's rldiag/alerts.jsonl, `tag` from its last-alert tag (while it runs), "
                "`metrics` from grad/finite or a NaN/inf grad norm (any trainer).")
     for i, ep in enumerate(episodes[:MAX_EXPANDERS]):
-        with st.expander(f"{sel.labels[ep.run_id]}, steps {ep.steps_text}: every step", expanded=False):
+        with st.expander(f"{sel.labels[ep.run_id]}, {ep.steps_label}: every step", expanded=False):
             if ep.same_params:
-                st.caption(f"Parameter tensors ({len(ep.params)}, at every step): " + escape_md(", ".join(ep.params)))
+                at = "at every step" if len(ep.rows) > 1 else "at this step"
+                st.caption(f"Parameter tensors ({len(ep.params)}, {at}): " + escape_md(", ".join(ep.params)))
             detail = event_table(sel, ep.rows).drop(columns=["run"])
             if ep.same_params:
                 detail = detail.drop(columns=["params", "# params"])

@@ -166,7 +166,7 @@ def _nan_events(c: ReportContent) -> str:
                 if len(shown) < len(ep.rows) else "")
         listed = (f"<p>Parameter tensors ({len(names)}): <code>{e(', '.join(names))}</code></p>"
                   if same and names else "")
-        details.append(f"<details><summary>{e(labels[ep.run_id])}, steps {e(ep.steps_text)}: every step</summary>"
+        details.append(f"<details><summary>{e(labels[ep.run_id])}, {e(ep.steps_label)}: every step</summary>"
                        f"{listed}{_table(header, per_step, {0, 1})}{more}</details>")
     note = f"<p>{e(unchecked)}</p>" if unchecked else ""
     return note + table + "".join(details)

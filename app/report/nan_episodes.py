@@ -49,6 +49,11 @@ class Episode:
         return format_ranges(self.steps, limit=6)
 
     @property
+    def steps_label(self) -> str:
+        """ "steps 1-40", "step 200"."""
+        return ("steps " if len(self.rows) > 1 else "step ") + self.steps_text
+
+    @property
     def norm_text(self) -> str:
         """ "NaN", or the kinds with their counts where they mix: "NaN x38, inf x2"."""
         kinds = Counter(_norm_kind(v) for v in self.rows["grad_norm"])

@@ -97,7 +97,7 @@ def test_compare_and_nan_events_at_1280x800(dash_store, tmp_path):
             rows = page.locator(".rldiag-table").first.locator("tbody tr")
             assert rows.count() == 3  # unmasked: 40-41, 200, 250
             assert page.evaluate(CUT_CELLS_JS, ".rldiag-table td") == []
-            page.get_by_text("unmasked, steps 200: every step").click()
+            page.get_by_text("unmasked, step 200: every step").click()
             page.get_by_text("sample 1 token 3").wait_for()
             screenshot(page, "glance-nan-events")
     finally:

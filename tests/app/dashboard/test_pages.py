@@ -181,7 +181,8 @@ def test_nan_events_lists_steps_parameters_and_tokens(dash_store, monkeypatch):
     assert tagged["source"] == "tag" and tagged["parameters"] == "2 parameter tensors, at this step"
     assert tagged["samples / tokens"] == "sample 1: 1 token position"
     # every step on demand: one expander per episode, the tag's parameter names and token in step 200's
-    assert [e.label for e in at.expander] == [f"unmasked, steps {s}: every step" for s in ("40-41", "200", "250")]
+    assert [e.label for e in at.expander] == ["unmasked, steps 40-41: every step", "unmasked, step 200: every step",
+                                              "unmasked, step 250: every step"]
     assert "model.embed.weight, model.lm_head.weight" in unescape_md(at.expander[1].caption[0].value)
     step200 = html_tables(at.expander[1].markdown)[0]
     assert step200["step"].tolist() == ["200"] and step200["samples / tokens"].tolist() == ["sample 1 token 3"]
