@@ -197,11 +197,18 @@ def _load(store: Store, ids: list[str], keys: list[str]) -> Histories:
 
 def departure_lines(report: Report) -> list[str]:
     """Per candidate, one plain-text line (`rldiag.app.report.content.headline`): non-finite gradients
-    first, then its first departure from the references, then how much the comparison rests on."""
+    first, then its first departure from the references, then how much the comparison rests on; under
+    it, indented, its likely cause (`rldiag.app.analysis.causes.RunCauses.line`) where one is said."""
     from rldiag.app.report.content import headline
 
     labels = report.labels
-    return [headline(s, labels[s.run_id]) for s in report.content.summaries]
+    causes = {c.run_id: c.line() for c in report.content.causes}
+    out = []
+    for s in report.content.summaries:
+        out.append(headline(s, labels[s.run_id]))
+        if causes.get(s.run_id):
+            out.append(f"  {causes[s.run_id]}")  # its likely cause, under its line
+    return out
 
 
 __all__ = ["Report", "build_report", "render_report", "resolve_runs", "default_keys", "departure_lines"]

@@ -69,7 +69,7 @@ def test_report_headlines_nan_first_and_never_within_on_too_few_steps(store_uri)
     report = build_report(store_uri, reference=ref, candidates=cand)
     assert set(report.content.keys) == {K.GRAD_NORM, K.LOSS, K.KL_REF, K.ENTROPY, K.REWARD_MEAN, K.REWARD_STD,
                                         K.canonical_key("clip_ratio/region_mean")}  # TRL's names, mapped
-    [printed] = departure_lines(report)  # what `rldiag report` prints
+    printed = departure_lines(report)[0]  # what `rldiag report` prints (a likely cause may follow, indented)
     md_line = _line_of(report.markdown, "grpo-nan")
     for line in (printed, md_line):
         assert line.startswith("grpo-nan: non-finite gradients from step 4 (5 steps)"), line

@@ -31,6 +31,7 @@ def test_one_report_per_comparable_group(store_uri, tmp_path):
     assert not (tmp_path / "refs-only").exists()  # no candidate: nothing to compare
     v1 = r.stdout.split("## group v0_vs_v1")[1]
     assert "v0_vs_v1-cand: policy/ratio_mean leaves the reference band at step" in v1
+    assert "\n  no likely cause: " in v1 or "\n  likely: " in v1  # its cause line, indented under it
     masked = r.stdout.split("## group masked_vs_unmasked")[1].split("## group")[0]
     assert "masked_vs_unmasked-cand: " in masked and "leaves" not in masked
     bad = subprocess.run([str(exe), "report", "--all-groups", "--group", "x", "--tracking-uri", store_uri],
