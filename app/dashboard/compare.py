@@ -10,6 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from rldiag.app.analysis.causes import RunCauses, likely_causes
+from rldiag.app.analysis.causes_signatures import SIGNATURE_KEYS
 from rldiag.app.analysis.divergence import CandidateSummary, size_text, summarize
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
@@ -140,7 +141,9 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     else:
         table = data.divergence_rows(divs, sel.labels)
         summaries = summarize(divs, h, refs, cands, metric_keys)
-        causes = likely_causes(h, data.configs(sel.uri, tuple(refs + cands)), refs, cands, summaries=summaries,
+        # the signatures' own metrics (the signed mismatch kl_new_old_k1 among them), whatever the page charts
+        sig_h = data.histories(sel.uri, tuple(refs + cands), SIGNATURE_KEYS).histories
+        causes = likely_causes(sig_h, data.configs(sel.uri, tuple(refs + cands)), refs, cands, summaries=summaries,
                                alerts=data.alert_events(sel.uri, tuple(cands)))
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
