@@ -45,6 +45,7 @@ import enum
 import inspect
 import logging
 import math
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -73,6 +74,7 @@ __all__ = ["LOGGED_LOSS", "RldiagCallback", "trainer_params"]
 # window-averaged) `loss` becomes `trainer/loss` once the real per-step loss owns `loss`.
 TRAINER_PREFIX = "trainer/"
 LOGGED_LOSS = TRAINER_PREFIX + keys.LOSS
+REAL_LOSS = "rldiag/loss"  # the unfiltered per-step loss, in the trainer's own run (whose `loss` is filtered)
 PARAM_PREFIX = "trainer"
 
 # TrainingArguments / TRL config fields that change results; read when present. Whitelisted, so no
@@ -123,7 +125,7 @@ class RldiagCallback(TrainerCallback):
     Call `attach(trainer)` (or pass it in `callbacks=[...]` and still call `attach` for the real loss).
     """
 
-    def __init__(self, session: RunSession | None = None, *, experiment: str = "rldiag", **options: Any):
+    def __init__(self, session: RunSession | None = None, *, experiment: str | None = None, **options: Any):
         unknown = set(options) - _SESSION_OPTIONS
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; RunSession takes {sorted(_SESSION_OPTIONS)}")
@@ -147,6 +149,7 @@ class RldiagCallback(TrainerCallback):
         self._probe = LogitsProbe()
         self._probe_handle = None
         self._overflows = OverflowCounter()
+        self._shared_run = False  # logging into transformers' MLflowCallback run (report_to="mlflow")
 
     # ---- wiring --------------------------------------------------------------------------------
     def attach(self, trainer: Any) -> RldiagCallback:
@@ -239,7 +242,8 @@ class RldiagCallback(TrainerCallback):
                                            how="hooks")
         in_a_row = self._overflows.update(report) if report is not None else 0
         if self.session is not None:  # rank 0
-            values = {keys.LOSS: extra[0]} if extra else {}
+            # in the trainer's run, `loss` is MLflowCallback's (filtered) value: the real one goes beside it
+            values = {(REAL_LOSS if self._shared_run else keys.LOSS): extra[0]} if extra else {}
             if report is None:
                 if not self._warned_no_grads:
                     self._warned_no_grads = True
@@ -280,8 +284,8 @@ class RldiagCallback(TrainerCallback):
             self._restore_step = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.session is None or not logs:
-            return
+        if self.session is None or not logs or self._shared_run:
+            return  # in the trainer's own run, MLflowCallback logs the trainer's numbers
         self.session.writer.log_metrics(self._mapped(logs), state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -313,7 +317,9 @@ class RldiagCallback(TrainerCallback):
             options = dict(self._options)
             options["params"] = {**(options.get("params") or {}), PARAM_PREFIX: params}
             options["tags"] = {keys.TAG_SEED: getattr(args, "seed", ""), **(options.get("tags") or {})}
-            self.session = RunSession(self._experiment, **options)
+            experiment, shared = self._run_of_the_script(args, options)
+            self._shared_run = shared
+            self.session = RunSession(experiment, **options)
             self._owns_session = True
             return
         from mlflow.entities import Param
@@ -328,6 +334,30 @@ class RldiagCallback(TrainerCallback):
 
             log.warning("rldiag: could not log the trainer params on run %s (%s: %s)",
                         self.session.run_id, type(e).__name__, redact_text(str(e)))
+
+    def _run_of_the_script(self, args: Any, options: dict[str, Any]) -> tuple[str, bool]:
+        """Where a stock script's run is, as transformers' own MLflowCallback finds it. With
+        `report_to="mlflow"` that callback (earlier in the list) has started its run by now: log into
+        it (one run per training). Otherwise honour what MLflowCallback honours: `run_name`,
+        $MLFLOW_EXPERIMENT_NAME and $MLFLOW_RUN_ID. What the user passed to RldiagCallback wins.
+        Returns (experiment, whether the run is the trainer's)."""
+        experiment = self._experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "rldiag"
+        report_to = getattr(args, "report_to", None) or []
+        report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+        if "run_id" not in options and ("mlflow" in report_to or "all" in report_to):
+            import mlflow
+
+            active = mlflow.active_run()
+            if active is not None:
+                options["run_id"] = active.info.run_id
+                options.setdefault("tracking_uri", mlflow.get_tracking_uri())
+                options.pop("run_name", None)
+                return experiment, True
+        if "run_id" not in options and os.environ.get("MLFLOW_RUN_ID"):
+            options["run_id"] = os.environ["MLFLOW_RUN_ID"]
+        if "run_id" not in options and not options.get("run_name") and getattr(args, "run_name", None):
+            options["run_name"] = args.run_name
+        return experiment, False
 
     def _mapped(self, logs: Mapping[str, Any]) -> dict[str, float]:
         """The trainer's numbers under their own names plus the canonical key of each alias, except

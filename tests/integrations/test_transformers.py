@@ -29,6 +29,7 @@ from transformers import (  # noqa: E402
 from rldiag.collectors import NonFiniteGradientError, keys  # noqa: E402
 from rldiag.collectors.integrations.transformers import (  # noqa: E402
     LOGGED_LOSS,
+    REAL_LOSS,
     RldiagCallback,
     _skip_next_step,
 )
@@ -453,3 +454,34 @@ def test_alert_names_the_sample_and_token_whose_logits_went_non_finite(uri, tmp_
     assert event["positions"] == [{"micro_batch": 1, "sample": 1, "position": 3}]
     assert event["nonfinite_positions"] == 1
     assert "sample 1 token 3" in event["text"]
+
+
+def test_stock_script_with_report_to_mlflow_makes_one_run(uri, tmp_path, monkeypatch):
+    """transformers' own MLflowCallback (report_to="mlflow") starts the run; rldiag logs into it."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "stock")
+    torch.manual_seed(0)
+    args = training_args(tmp_path, per_device_train_batch_size=2, max_steps=3, report_to="mlflow", run_name="stock-run")
+    trainer = Trainer(model=LlamaForCausalLM(llama_config()), args=args, train_dataset=lm_dataset(8))
+    RldiagCallback(tracking_uri=uri).attach(trainer)
+    trainer.train()
+    client, run = the_run(uri)  # exactly one run in the store
+    assert run.info.run_name == "stock-run" and client.get_experiment(run.info.experiment_id).name == "stock"
+    rid = run.info.run_id
+    assert set(history(client, rid, keys.GRAD_NORM)) == {1, 2, 3}  # rldiag's check, in the trainer's run
+    assert history(client, rid, keys.GRAD_FINITE) == {1: 1.0, 2: 1.0, 3: 1.0}
+    # `loss` is MLflowCallback's (once a step, not twice); rldiag's unfiltered loss sits beside it
+    assert [m.step for m in client.get_metric_history(rid, keys.LOSS)] == [1, 2, 3]
+    assert history(client, rid, REAL_LOSS) == pytest.approx(history(client, rid, keys.LOSS), rel=1e-5)
+    assert run.data.params["trainer.per_device_train_batch_size"] == "2"
+
+
+def test_callback_in_callbacks_list_honours_run_name_and_experiment_env(uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    args = training_args(tmp_path, per_device_train_batch_size=2, max_steps=2, run_name="named-run")
+    trainer = Trainer(model=LlamaForCausalLM(llama_config()), args=args, train_dataset=lm_dataset(4),
+                      callbacks=[RldiagCallback(tracking_uri=uri)])
+    trainer.train()
+    client, run = the_run(uri)
+    assert run.info.run_name == "named-run" and client.get_experiment(run.info.experiment_id).name == "from-env"
+    assert set(history(client, run.info.run_id, keys.GRAD_NORM)) == {1, 2}
