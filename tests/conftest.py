@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,18 @@ def mlflow_server(tmp_path: Path):
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture(autouse=True)
+def _restore_main_module():
+    """Streamlit's script runner (AppTest, in the dashboard, read-only and likely-cause tests) installs
+    the page script as `sys.modules["__main__"]`; a later `spawn` start method (vLLM's engine core,
+    torch.multiprocessing in the distributed tests) would re-run that script in its children and die.
+    Put pytest's own `__main__` back after every test."""
+    main = sys.modules.get("__main__")
+    yield
+    if main is not None:
+        sys.modules["__main__"] = main
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

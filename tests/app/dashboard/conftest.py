@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,14 +111,3 @@ def _fresh_caches():
     st.cache_data.clear()
     st.cache_resource.clear()
     yield
-
-
-@pytest.fixture(autouse=True)
-def _restore_main_module():
-    """Streamlit's script runner (AppTest) installs the page script as `sys.modules["__main__"]`; a
-    later `spawn` start method (torch.multiprocessing in the distributed tests) would re-run that
-    script in its children. Put pytest's own `__main__` back after each dashboard test."""
-    main = sys.modules.get("__main__")
-    yield
-    if main is not None:
-        sys.modules["__main__"] = main
