@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from rldiag.collectors.chunks import row_chunks
 from rldiag.collectors.compat.torch import (
     FLAT_PARAM,
     clean_fqn,
@@ -223,6 +224,18 @@ class NonFinitePosition:
         return d
 
 
+def _nonfinite_positions(g: Tensor) -> Tensor:
+    """`[B, T]` True where the gradient's sum over the remaining dimensions is non-finite; the sum is
+    taken in float32 a chunk of rows at a time (a float32 copy of a bf16 logits gradient is 2x its size)."""
+    if g.dim() <= 2:
+        return ~torch.isfinite(g.float())
+    rows = g.flatten(2) if g.dim() > 3 else g  # [B, T, rest]: a view unless the tail is non-contiguous
+    out = torch.empty(rows.shape[:2], dtype=torch.bool, device=g.device)
+    for idx, chunk in row_chunks(rows):
+        out[idx] = ~torch.isfinite(chunk.float().sum(-1))
+    return out
+
+
 @dataclass
 class LogitsProbe:
     """Records which samples and token positions receive non-finite gradients through a tensor.
@@ -247,9 +260,7 @@ class LogitsProbe:
         def hook(grad: Tensor) -> None:
             if flags is not self._flags or index >= len(flags):
                 return  # reset() since watch(): this backward belongs to no step being checked
-            g = grad.detach()
-            reduced = g.float().sum(dim=tuple(range(2, g.dim()))) if g.dim() > 2 else g.float()
-            flags[index] = ~torch.isfinite(reduced)
+            flags[index] = _nonfinite_positions(grad.detach())
 
         tensor.register_hook(hook)
         return tensor

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from rldiag.collectors import keys
+from rldiag.collectors.chunks import row_chunks
 from rldiag.collectors.compat.torch import host_dtype
 
 Tensor = torch.Tensor
@@ -161,6 +162,22 @@ def kl_new_old(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> KL
     return _kl(lr, r, m)
 
 
+def _entropy_rows(x: Tensor) -> Tensor:
+    # softmax then entr(p) = -p ln p (0 at p = 0), in place: two float32 buffers of the chunk.
+    p = torch.softmax(x.float(), dim=-1)
+    return torch.special.entr(p, out=p).sum(-1)
+
+
+@torch.no_grad()
+def token_entropy(logits: Tensor) -> Tensor:
+    """Per-position entropy of `softmax(logits)`, `[..., V]` -> `[...]` float32 (NaN where every logit
+    is `-inf`). Walks the rows in chunks (collectors/chunks.py): never a float32 copy of all the logits."""
+    h = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    for idx, rows in row_chunks(logits):
+        h[idx] = _entropy_rows(rows)
+    return h
+
+
 @torch.no_grad()
 def entropy_from_logits(logits: Tensor, mask: Tensor | None = None) -> Tensor:
     """Masked mean token entropy `H = -sum_v p_v log p_v` of `softmax(logits)`, computed in float32.
@@ -169,8 +186,7 @@ def entropy_from_logits(logits: Tensor, mask: Tensor | None = None) -> Tensor:
     """
     if logits.dim() < 1:
         raise ValueError("logits must be [..., V]; got a 0-d tensor")
-    # softmax then entr(p) = -p ln p (0 at p = 0): two passes over [B, T, V] instead of five.
-    h = torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
+    h = token_entropy(logits)
     if mask is None:
         mask = ~torch.isnan(h)  # a position whose logits are all -inf has no distribution
     return masked_mean(h, _valid(mask, h))

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rldiag.collectors import chunks
+from rldiag.collectors.chunks import row_chunks
 from rldiag.collectors.import_utils import require
 
 Tensor = torch.Tensor
@@ -190,16 +192,77 @@ def process_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int | Non
     return torch.empty_like(x).scatter_(-1, idx, srt)
 
 
+def _processed(rows: Tensor, temperature: float, top_k: int | None, top_p: float) -> tuple[Tensor, Tensor | None]:
+    """`process_logits` of a chunk and where it kept entries (None: everywhere, no top-k/top-p)."""
+    x = process_logits(rows, temperature=temperature, top_k=top_k, top_p=top_p)
+    if (top_k is None or not 0 < top_k < x.shape[-1]) and top_p >= 1.0:
+        return x, None
+    return x, x != float("-inf")
+
+
+def _pieces(logits: Tensor) -> list[tuple[tuple, tuple]]:
+    """(logits index, output index) pairs of `logits`' row chunks: the same index for both."""
+    return [(idx, idx) for idx, _ in row_chunks(logits)]
+
+
+class _SampledLogprobs(torch.autograd.Function):
+    """`log_softmax(process_logits(logits))` at the sampled tokens, chunk by chunk in float32, forward and
+    backward (recomputed there: nothing of `[..., V]` size is saved but the logits themselves).
+
+    `pieces`: (index into `logits` giving a `[c, V]` (or `[V]`) view, index into the output giving its `[c]`).
+    Gradient as autograd's through the unchunked formula: `(onehot(token) - softmax) / temperature` at
+    kept entries, 0 at entries top-k/top-p dropped.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, token_ids, out_shape, pieces, temperature, top_k, top_p):
+        out = torch.empty(out_shape, dtype=torch.float32, device=logits.device)
+        for src, dst in pieces:
+            x, _ = _processed(logits[src], temperature, top_k, top_p)
+            tok = token_ids[dst].long().unsqueeze(-1)
+            out[dst] = torch.log_softmax(x, dim=-1).gather(-1, tok).squeeze(-1)
+        ctx.save_for_backward(logits, token_ids)
+        ctx.settings = (pieces, temperature, top_k, top_p)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, token_ids = ctx.saved_tensors
+        pieces, temperature, top_k, top_p = ctx.settings
+        grad = torch.zeros_like(logits)
+        for src, dst in pieces:
+            x, keep = _processed(logits[src], temperature, top_k, top_p)
+            g = grad_out[dst].float().unsqueeze(-1)
+            d = torch.softmax(x, dim=-1).mul_(-g)  # -p * g
+            d.scatter_add_(-1, token_ids[dst].long().unsqueeze(-1), g)
+            if keep is not None:
+                d.masked_fill_(~keep, 0.0)
+            grad[src] = d.div_(temperature)
+        return grad, None, None, None, None, None, None
+
+
+def _check_settings(temperature: float, top_p: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: greedy sampling has no processed distribution; use > 0")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+
+
 def logprobs_from_logits(
     logits: Tensor, token_ids: Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0
 ) -> Tensor:
     """float32 `log_softmax(process_logits(logits))` gathered at `token_ids`: `[..., V]`, `[...]` -> `[...]`.
 
     Defaults give the plain `log_softmax`, what vLLM's `raw_logprobs` mode returns; the sampling
-    temperature / top-k / top-p give what `processed_logprobs` returns.
+    temperature / top-k / top-p give what `processed_logprobs` returns. Computed a chunk of rows at a
+    time (collectors/chunks.py), also the gradient: never a float32 copy of all the logits.
     """
-    x = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return torch.log_softmax(x, dim=-1).gather(-1, token_ids.unsqueeze(-1).long()).squeeze(-1)
+    _check_settings(temperature, top_p)
+    if token_ids.shape != logits.shape[:-1]:
+        raise ValueError(f"token_ids have shape {tuple(token_ids.shape)}; logits of shape {tuple(logits.shape)} "
+                         f"need {tuple(logits.shape[:-1])}")
+    return _SampledLogprobs.apply(logits, token_ids, logits.shape[:-1], _pieces(logits),
+                                  temperature, top_k, top_p)
 
 
 def recompute_logprobs(
@@ -217,7 +280,9 @@ def recompute_logprobs(
     Keeps the autograd graph (wrap in `torch.no_grad()` for a pure recompute). Pass the sampling
     temperature / top-k / top-p to compare with an engine in `processed_logprobs` mode (a token at the
     top-p boundary that the trainer's rounding drops gets `-inf`: a real disagreement, not a bug).
+    The logits are read in place, a chunk of positions at a time: extra memory is a few chunks.
     """
+    _check_settings(temperature, top_p)
     device = next(model.parameters()).device
     n, t = batch.token_ids.shape
     plen = batch.prompt_lengths
@@ -235,12 +300,19 @@ def recompute_logprobs(
         input_ids[i, p : p + c] = batch.token_ids[i, :c]
         attention[i, : p + c] = 1
     logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
-    # The logits at position p - 1 + j predict completion token j.
-    pos = (plen.unsqueeze(-1) - 1 + torch.arange(t)).clamp(max=width - 1).to(device)
-    picked = logits.gather(1, pos.unsqueeze(-1).expand(n, t, logits.shape[-1]))
-    lp = logprobs_from_logits(picked, batch.token_ids.to(device), temperature=temperature, top_k=top_k, top_p=top_p)
-    pad = batch.logprobs.to(device)
-    return torch.where(batch.mask.to(device), lp, pad)
+    # The logits at position p - 1 + j predict completion token j; row i's completion is the view
+    # logits[i, p-1 : p-1+c] (no gather: that would copy [N, T, V]). Positions past c are padding.
+    step = max(1, chunks.CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    pieces = []
+    for i in range(n):
+        start, c = int(plen[i]) - 1, int(tlen[i])
+        for s in range(0, c, step):
+            e = min(c, s + step)
+            pieces.append(((i, slice(start + s, start + e)), (i, slice(s, e))))
+    ids = batch.token_ids.to(device)
+    lp = _SampledLogprobs.apply(logits, ids, (n, t), pieces, temperature, top_k, top_p)
+    # padding positions were never written (torch.empty): where() replaces them with the batch's padding
+    return torch.where(batch.mask.to(device), lp, batch.logprobs.to(device))
 
 
 # --- the engine's settings -----------------------------------------------------------------------
