@@ -23,7 +23,7 @@ from bench._common import RESULTS
 
 BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "log_stall", "load_histories", "callback_overhead",
               "divergence_quality", "report_build", "dashboard_load", "install_footprint", "journal_scale",
-              "team_load")
+              "team_load", "logits_memory")
 COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 
 

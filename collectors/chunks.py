@@ -36,3 +36,22 @@ def row_chunks(x: torch.Tensor, budget: int | None = None) -> Iterator[tuple[Ind
     for i in range(x.shape[0]):
         for idx, c in row_chunks(x[i], budget):
             yield (i, *idx), c
+
+
+class Workspace:
+    """Named float32 (or other dtype) buffers reused by every chunk of one call: each chunk fills the
+    same memory instead of allocating its own (fresh pages per chunk cost more than the arithmetic)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised `shape` view of buffer `name` (grown when a chunk needs more)."""
+        n = 1
+        for s in shape:
+            n *= s
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
+        return buf[:n].view(shape)

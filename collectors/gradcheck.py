@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rldiag.collectors.chunks import row_chunks
+from rldiag.collectors import chunks
+from rldiag.collectors.chunks import Workspace, row_chunks
 from rldiag.collectors.compat.torch import (
     FLAT_PARAM,
     clean_fqn,
@@ -229,10 +230,13 @@ def _nonfinite_positions(g: Tensor) -> Tensor:
     taken in float32 a chunk of rows at a time (a float32 copy of a bf16 logits gradient is 2x its size)."""
     if g.dim() <= 2:
         return ~torch.isfinite(g.float())
+    if g.dtype == torch.float32 or g.numel() <= chunks.CHUNK_ELEMENTS:  # no copy, or a small one: one pass
+        return ~torch.isfinite(g.float().sum(dim=tuple(range(2, g.dim()))))
     rows = g.flatten(2) if g.dim() > 3 else g  # [B, T, rest]: a view unless the tail is non-contiguous
     out = torch.empty(rows.shape[:2], dtype=torch.bool, device=g.device)
+    ws = Workspace(g.device)
     for idx, chunk in row_chunks(rows):
-        out[idx] = ~torch.isfinite(chunk.float().sum(-1))
+        out[idx] = ~torch.isfinite(ws.get("g", chunk.shape).copy_(chunk).sum(-1))
     return out
 
 

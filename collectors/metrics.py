@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from rldiag.collectors import keys
-from rldiag.collectors.chunks import row_chunks
+from rldiag.collectors.chunks import Workspace, row_chunks
 from rldiag.collectors.compat.torch import host_dtype
 
 Tensor = torch.Tensor
@@ -162,9 +162,10 @@ def kl_new_old(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> KL
     return _kl(lr, r, m)
 
 
-def _entropy_rows(x: Tensor) -> Tensor:
-    # softmax then entr(p) = -p ln p (0 at p = 0), in place: two float32 buffers of the chunk.
-    p = torch.softmax(x.float(), dim=-1)
+def _entropy_rows(x: Tensor, ws: Workspace) -> Tensor:
+    # softmax then entr(p) = -p ln p (0 at p = 0), in one float32 buffer reused by every chunk
+    p = ws.get("p", x.shape)
+    torch.softmax(x if x.dtype == torch.float32 else p.copy_(x), dim=-1, out=p)
     return torch.special.entr(p, out=p).sum(-1)
 
 
@@ -173,8 +174,9 @@ def token_entropy(logits: Tensor) -> Tensor:
     """Per-position entropy of `softmax(logits)`, `[..., V]` -> `[...]` float32 (NaN where every logit
     is `-inf`). Walks the rows in chunks (collectors/chunks.py): never a float32 copy of all the logits."""
     h = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    ws = Workspace(logits.device)
     for idx, rows in row_chunks(logits):
-        h[idx] = _entropy_rows(rows)
+        h[idx] = _entropy_rows(rows, ws)
     return h
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rldiag.collectors import chunks
-from rldiag.collectors.chunks import row_chunks
+from rldiag.collectors.chunks import Workspace, row_chunks
 from rldiag.collectors.import_utils import require
 
 Tensor = torch.Tensor
@@ -166,38 +166,53 @@ def rollout_from_outputs(
 # --- the trainer's side --------------------------------------------------------------------------
 
 
+def _uses_k(top_k: int | None, vocab: int) -> bool:
+    return top_k is not None and 0 < top_k < vocab
+
+
+def _mask_top_k_top_p(x: Tensor, top_k: int | None, top_p: float, ws: Workspace) -> Tensor:
+    """Top-k then top-p masking of float32 `x` in place (`-inf` outside), vLLM's
+    `apply_top_k_top_p_pytorch`; the sort and the cumulative sum live in `ws`'s buffers."""
+    use_k = _uses_k(top_k, x.shape[-1])
+    if not use_k and top_p >= 1.0:
+        return x
+    if top_p >= 1.0:  # top-k alone: the k-th largest value without a sort (the same threshold, ties kept)
+        kth = torch.topk(x, top_k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+        return x.masked_fill_(x < kth, float("-inf"))
+    srt, idx = ws.get("sorted", x.shape), ws.get("order", x.shape, torch.int64)
+    torch.sort(x, dim=-1, descending=False, out=(srt, idx))
+    if use_k:
+        kth = srt[..., x.shape[-1] - top_k].unsqueeze(-1)
+        srt.masked_fill_(srt < kth, float("-inf"))
+    if top_p < 1.0:
+        cum = ws.get("cum", x.shape)
+        torch.softmax(srt, dim=-1, out=cum)
+        torch.cumsum(cum, dim=-1, out=cum)
+        drop = torch.le(cum, 1.0 - top_p, out=ws.get("drop", x.shape, torch.bool))
+        drop[..., -1] = False  # keep at least the most likely token
+        srt.masked_fill_(drop, float("-inf"))
+    return x.scatter_(-1, idx, srt)
+
+
 def process_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0) -> Tensor:
     """float32 logits after temperature, then top-k and top-p masking (`-inf` outside), as vLLM's sampler
     does before it samples (`vllm/v1/sample/ops/topk_topp_sampler.py`, `apply_top_k_top_p_pytorch`).
 
-    Penalties, logit bias and custom logits processors are not reproduced.
+    Penalties, logit bias and custom logits processors are not reproduced. Returns a float32 tensor of
+    the logits' shape; `logprobs_from_logits` works in chunks instead.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: greedy sampling has no processed distribution; use > 0")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
-    x = logits.float() / temperature
-    use_k = top_k is not None and 0 < top_k < x.shape[-1]
-    if not use_k and top_p >= 1.0:
-        return x
-    srt, idx = x.sort(dim=-1, descending=False)
-    if use_k:
-        kth = srt[..., x.shape[-1] - top_k].unsqueeze(-1)
-        srt = srt.masked_fill(srt < kth, float("-inf"))
-    if top_p < 1.0:
-        cum = srt.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1.0 - top_p
-        drop[..., -1] = False  # keep at least the most likely token
-        srt = srt.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, idx, srt)
+    _check_settings(temperature, top_p)
+    return _mask_top_k_top_p(logits.float() / temperature, top_k, top_p, Workspace(logits.device))
 
 
-def _processed(rows: Tensor, temperature: float, top_k: int | None, top_p: float) -> tuple[Tensor, Tensor | None]:
-    """`process_logits` of a chunk and where it kept entries (None: everywhere, no top-k/top-p)."""
-    x = process_logits(rows, temperature=temperature, top_k=top_k, top_p=top_p)
-    if (top_k is None or not 0 < top_k < x.shape[-1]) and top_p >= 1.0:
-        return x, None
-    return x, x != float("-inf")
+def _processed(rows: Tensor, temperature: float, top_k: int | None, top_p: float, ws: Workspace) -> Tensor:
+    """`process_logits` of a chunk, into `ws`'s buffer `x`."""
+    x = ws.get("x", rows.shape)
+    if rows.dtype == torch.float32:  # no upcast to make: one pass
+        torch.div(rows, temperature, out=x)
+    else:  # upcast first, then divide in float32 (as `logits.float() / temperature`)
+        x.copy_(rows).div_(temperature)
+    return _mask_top_k_top_p(x, top_k, top_p, ws)
 
 
 def _pieces(logits: Tensor) -> list[tuple[tuple, tuple]]:
@@ -211,16 +226,17 @@ class _SampledLogprobs(torch.autograd.Function):
 
     `pieces`: (index into `logits` giving a `[c, V]` (or `[V]`) view, index into the output giving its `[c]`).
     Gradient as autograd's through the unchunked formula: `(onehot(token) - softmax) / temperature` at
-    kept entries, 0 at entries top-k/top-p dropped.
+    kept entries, 0 at entries top-k/top-p dropped (with either, `-inf` logits count as dropped).
     """
 
     @staticmethod
     def forward(ctx, logits, token_ids, out_shape, pieces, temperature, top_k, top_p):
         out = torch.empty(out_shape, dtype=torch.float32, device=logits.device)
+        ws = Workspace(logits.device)
         for src, dst in pieces:
-            x, _ = _processed(logits[src], temperature, top_k, top_p)
-            tok = token_ids[dst].long().unsqueeze(-1)
-            out[dst] = torch.log_softmax(x, dim=-1).gather(-1, tok).squeeze(-1)
+            x = _processed(logits[src], temperature, top_k, top_p, ws)
+            torch.log_softmax(x, dim=-1, out=x)
+            out[dst] = x.gather(-1, token_ids[dst].long().unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(logits, token_ids)
         ctx.settings = (pieces, temperature, top_k, top_p)
         return out
@@ -229,15 +245,18 @@ class _SampledLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out):
         logits, token_ids = ctx.saved_tensors
         pieces, temperature, top_k, top_p = ctx.settings
+        masks = _uses_k(top_k, logits.shape[-1]) or top_p < 1.0
         grad = torch.zeros_like(logits)
+        ws = Workspace(logits.device)
         for src, dst in pieces:
-            x, keep = _processed(logits[src], temperature, top_k, top_p)
+            x = _processed(logits[src], temperature, top_k, top_p, ws)
+            dropped = torch.eq(x, float("-inf"), out=ws.get("dropped", x.shape, torch.bool)) if masks else None
             g = grad_out[dst].float().unsqueeze(-1)
-            d = torch.softmax(x, dim=-1).mul_(-g)  # -p * g
-            d.scatter_add_(-1, token_ids[dst].long().unsqueeze(-1), g)
-            if keep is not None:
-                d.masked_fill_(~keep, 0.0)
-            grad[src] = d.div_(temperature)
+            torch.softmax(x, dim=-1, out=x).mul_(-g)  # -p * g
+            x.scatter_add_(-1, token_ids[dst].long().unsqueeze(-1), g)
+            if dropped is not None:
+                x.masked_fill_(dropped, 0.0)
+            grad[src] = x.div_(temperature)
         return grad, None, None, None, None, None, None
 
 
