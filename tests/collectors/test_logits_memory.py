@@ -7,6 +7,8 @@ than a chunk included; one test runs at the real budget with rows spanning sever
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -183,3 +185,35 @@ def test_recompute_equals_gather_path_with_gradient(small_chunks, kw) -> None:
     grad_got = torch.autograd.grad((torch.where(finite, got, 0.0) * w).sum(), model.emb)[0]
     grad_ref = torch.autograd.grad((torch.where(finite, ref, 0.0) * w).sum(), model.emb)[0]
     assert_close(grad_got, grad_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_small_or_float32_one_pass_equals_chunked(small_chunks, dtype) -> None:
+    from rldiag.collectors.gradcheck import _nonfinite_positions
+
+    g = torch.randn(2, 5, 64).to(dtype)
+    g[0, 4, 9] = float("nan")
+    expected = ~torch.isfinite(g.float().sum(-1))
+    assert_close(_nonfinite_positions(g), expected)  # float32: one pass; bf16: chunks of one row
+    assert _nonfinite_positions(g).nonzero().tolist() == [[0, 4]]
+
+
+def _peak(case: str, path: str) -> float:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    # the benchmark's own child: bf16 logits of 2 x 128 tokens x 152,064 (74 MiB), RSS high-water mark
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "bench.logits_memory", "--child", case, path, "256", "152064", "1",
+                          "1"], cwd=root, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_x"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_peak_extra_memory_at_a_real_vocabulary() -> None:
+    # the measurement sees a float32 copy: the unchunked entropy holds two of the logits' size (4x bf16)
+    assert _peak("entropy", "before") > 3.5
+    for case in ("entropy", "probe", "logprobs_top_p"):
+        assert _peak(case, "rldiag") <= 0.5, case  # the issue's bound: 0.5x the logits' bytes
