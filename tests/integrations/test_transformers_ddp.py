@@ -67,6 +67,13 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
         "world": trainer.args.world_size, "finite": weights.finite, "checksum": weights.checksum,
         "had_session": cb._owns_session and rank == 0,
     }))
+    # both ranks done before either tears gloo down: a rank that exits while the other is still in a
+    # collective aborts in gloo's C++ threads ("terminate called without an active exception")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow
