@@ -485,3 +485,30 @@ def test_callback_in_callbacks_list_honours_run_name_and_experiment_env(uri, tmp
     client, run = the_run(uri)
     assert run.info.run_name == "named-run" and client.get_experiment(run.info.experiment_id).name == "from-env"
     assert set(history(client, run.info.run_id, keys.GRAD_NORM)) == {1, 2}
+
+
+def test_stock_trl_script_with_report_to_mlflow_makes_one_run(uri, tmp_path, monkeypatch):
+    """A stock TRL GRPO script (report_to="mlflow", TRL's usual integration) with the two added lines."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tests.tiny_hf import save_tiny_qwen2
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    tok = save_tiny_qwen2(tmp_path / "tiny-qwen2", vocab=V)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, max_steps=2, logging_steps=1, report_to="mlflow", run_name="grpo-v1",
+                      use_vllm=False, beta=0.0, save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+    prompts = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(8)]})
+    def reward_len(completions, **kw):  # a named function: MLflow refuses "<lambda>" in TRL's profiling keys
+        return [float(len(c)) for c in completions]
+
+    trainer = GRPOTrainer(model=str(tmp_path / "tiny-qwen2"), reward_funcs=reward_len, args=args,
+                          train_dataset=prompts, processing_class=tok)
+    RldiagCallback().attach(trainer)
+    trainer.train()
+    client, run = the_run(uri)  # one run: TRL's, with rldiag's checks in it
+    assert run.info.run_name == "grpo-v1"
+    assert history(client, run.info.run_id, keys.GRAD_FINITE) == {1: 1.0, 2: 1.0}
+    assert set(history(client, run.info.run_id, "reward")) == {1, 2}  # logged by MLflowCallback
