@@ -496,6 +496,8 @@ def test_stock_trl_script_with_report_to_mlflow_makes_one_run(uri, tmp_path, mon
     from tests.tiny_hf import save_tiny_qwen2
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # MLflowCallback takes mlflow's process-wide active experiment otherwise: an earlier test's id
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "stock-trl")
     tok = save_tiny_qwen2(tmp_path / "tiny-qwen2", vocab=V)
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=4, max_steps=2, logging_steps=1, report_to="mlflow", run_name="grpo-v1",
