@@ -202,7 +202,29 @@ def process_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int | Non
     the logits' shape; `logprobs_from_logits` works in chunks instead.
     """
     _check_settings(temperature, top_p)
-    return _mask_top_k_top_p(logits.float() / temperature, top_k, top_p, Workspace(logits.device))
+    x = logits.float() / temperature
+    if torch.is_grad_enabled() and x.requires_grad:  # out= buffers cannot carry a gradient
+        return _mask_top_k_top_p_differentiable(x, top_k, top_p)
+    return _mask_top_k_top_p(x, top_k, top_p, Workspace(logits.device))
+
+
+def _mask_top_k_top_p_differentiable(x: Tensor, top_k: int | None, top_p: float) -> Tensor:
+    """`_mask_top_k_top_p` without out= buffers, for logits that carry a gradient (the same cut)."""
+    use_k = _uses_k(top_k, x.shape[-1])
+    if not use_k and top_p >= 1.0:
+        return x
+    if top_p >= 1.0:
+        kth = torch.topk(x, top_k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+        return x.masked_fill(x < kth, float("-inf"))
+    srt, idx = torch.sort(x, dim=-1, descending=False)
+    if use_k:
+        kth = srt[..., x.shape[-1] - top_k].unsqueeze(-1)
+        srt = srt.masked_fill(srt < kth, float("-inf"))
+    if top_p < 1.0:
+        drop = srt.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
+        drop[..., -1] = False  # keep at least the most likely token
+        srt = srt.masked_fill(drop, float("-inf"))
+    return x.scatter(-1, idx, srt)
 
 
 def _processed(rows: Tensor, temperature: float, top_k: int | None, top_p: float, ws: Workspace) -> Tensor:

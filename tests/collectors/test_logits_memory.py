@@ -217,3 +217,20 @@ def test_peak_extra_memory_at_a_real_vocabulary() -> None:
     assert _peak("entropy", "before") > 3.5
     for case in ("entropy", "probe", "logprobs_top_p"):
         assert _peak(case, "rldiag") <= 0.5, case  # the issue's bound: 0.5x the logits' bytes
+
+
+def test_process_logits_of_logits_that_carry_a_gradient():
+    # the engine-parity trainer masks logits that require grad: the cut equals the no-grad path's, and a
+    # gradient flows to the kept entries only (the out= buffers of the no-grad path cannot carry one)
+    from rldiag.collectors.integrations.vllm import process_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 50, requires_grad=True)
+    for top_k, top_p in ((10, 0.9), (None, 0.9), (10, 1.0), (None, 1.0)):
+        with_grad = process_logits(logits, temperature=0.7, top_k=top_k, top_p=top_p)
+        with torch.no_grad():
+            plain = process_logits(logits, temperature=0.7, top_k=top_k, top_p=top_p)
+        assert torch.equal(with_grad.detach(), plain)
+        logits.grad = None
+        with_grad.masked_fill(~torch.isfinite(with_grad), 0.0).sum().backward()
+        torch.testing.assert_close(logits.grad != 0, torch.isfinite(plain))
