@@ -260,10 +260,10 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
     n = len(r)
     with quiet():
         level = {m: _trailing_median(r, m) / sd for m, sd in zip(config.windows, noise.null_sd)}
-        # (window, z, bar, window whose level z says when it is over)
+        # (window, z, bar, window whose level z says when it is over, steps it looks back, its null sd)
         # every window at every step where it is 60% full: whether a window counts never depends on
         # how long the candidate is now, so a prefix of the run reports what the whole run reports there
-        tests = [(m, level[m], th, m, m) for m, th in zip(config.windows, noise.threshold)]  # + look-back span
+        tests = [(m, level[m], th, m, m, sd) for m, th, sd in zip(config.windows, noise.threshold, noise.null_sd)]
         for (q, p), sd in zip(config.change_windows, noise.change_sd):
             before = np.roll(_trailing_median(r, p), q)
             before[:q] = np.nan
@@ -274,14 +274,14 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             lvl = level[end_m]
             bar = noise.threshold[list(config.windows).index(end_m)]
             zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
-            tests.append((q, zc, config.k_change, end_m, q + p))
+            tests.append((q, zc, config.k_change, end_m, q + p, sd))
     out: list[Stretch] = []
     # Level departures: any test beyond its bar; each stretch ends once the reporting window's level
     # is back under half its bar for as many steps as the window is long.
     i, last_end = 0, None
     while i < n:
         hit = None
-        for ti, (m, zz, th, _, span) in enumerate(tests):
+        for ti, (_, zz, th, _, span, _) in enumerate(tests):
             # after a departure, a test counts once its window no longer reaches back into it
             start = i if last_end is None else max(i, last_end + span)
             idx = np.flatnonzero(np.abs(np.nan_to_num(zz[start:], nan=0.0)) > th)
@@ -290,12 +290,11 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         if hit is None:
             break
         a, ti = hit
-        m, zz, th, end_m, _ = tests[ti]
+        m, zz, _, end_m, _, sd = tests[ti]
         sign = int(np.sign(zz[a]))
         lv = level.get(end_m)
         wi = list(config.windows).index(end_m) if end_m in config.windows else 0
-        size = float(zz[a] * (noise.null_sd[list(config.windows).index(m)] if m in config.windows and zz is lv
-                              else noise.change_sd[[q for q, _ in config.change_windows].index(m)]))
+        size = float(zz[a] * sd)  # the stretch's size in the compared scale
         onset = max(i, _cusum_onset(r, a, size, lookback=4 * m + config.window))
         bar = noise.threshold[wi]
         inside = np.nan_to_num(lv[a:] * sign, nan=0.0) < bar / 2

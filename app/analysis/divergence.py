@@ -152,11 +152,6 @@ class Departure:
     delta: float  # median of (candidate - centre) over it, metric units
     delta_sigma: float  # the residual in sd of the references' point noise (log sd for log-compared metrics)
 
-    @property
-    def relative(self) -> float:
-        """delta / |reference| (NaN where the reference is 0)."""
-        return self.delta / abs(self.reference) if self.reference and math.isfinite(self.reference) else float("nan")
-
 
 @dataclass(frozen=True)
 class Divergence:
@@ -245,8 +240,7 @@ def _aligned(model, candidate: Trace):
     hit[hit] = model.steps[pos[hit]] == candidate.steps[hit]
     pos = pos[hit]
     ref_ok = np.isfinite(model.values[pos]).any(axis=1) if model.values.shape[1] else np.zeros(len(pos), bool)
-    keep = ref_ok | ~np.isfinite(candidate.values[hit])  # a NaN where no reference is finite is not compared
-    keep &= ref_ok
+    keep = ref_ok  # only steps where a reference is finite are compared (a NaN there counts, elsewhere not)
     steps = candidate.steps[hit][keep]
     raw = np.asarray(candidate.values[hit][keep], float)
     return steps, raw, model.center[pos[keep]]
