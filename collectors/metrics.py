@@ -162,11 +162,19 @@ def kl_new_old(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> KL
     return _kl(lr, r, m)
 
 
+_F32_LOWEST = torch.finfo(torch.float32).min
+
+
 def _entropy_rows(x: Tensor, ws: Workspace) -> Tensor:
-    # softmax then entr(p) = -p ln p (0 at p = 0), in one float32 buffer reused by every chunk
-    p = ws.get("p", x.shape)
-    torch.softmax(x if x.dtype == torch.float32 else p.copy_(x), dim=-1, out=p)
-    return torch.special.entr(p, out=p).sum(-1)
+    # H = log s - sum_v p_v d_v with d = x - max(x), s = sum_v exp(d_v), p = softmax(x). 1/s is p's largest
+    # entry (exp(0) / s), so no second exp pass is needed: softmax's own is vectorised, while entr(p) (a log
+    # per element) cost 3x the rest (measured on 8 x 128 x 512 float32, one thread). Both terms are >= 0: no
+    # cancellation. Float32 buffers reused by every chunk.
+    x32 = x if x.dtype == torch.float32 else ws.get("x", x.shape).copy_(x)
+    p = torch.softmax(x32, dim=-1, out=ws.get("p", x.shape))
+    d = torch.sub(x32, x32.amax(-1, keepdim=True), out=ws.get("d", x.shape))
+    d.clamp_(min=_F32_LOWEST)  # a -inf logit has p = 0: 0 * lowest is 0 where 0 * -inf is NaN; NaN stays NaN
+    return torch.linalg.vecdot(p, d).neg_().sub_(p.amax(-1).log_())
 
 
 @torch.no_grad()
