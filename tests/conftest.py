@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ import pytest
 from bench._server import MlflowServer, free_port  # noqa: F401 - re-exported for the tests
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# The read side's disk cache (rldiag.app.data.disk_cache): one per test session, never the user's own.
+CACHE_DIR = tempfile.mkdtemp(prefix="rldiag-test-cache-")
+os.environ["RLDIAG_CACHE_DIR"] = CACHE_DIR
 
 
 @pytest.fixture
@@ -47,6 +52,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     (`collectors.x`, `app.x`, `experiments.x`, importable because the repository root is on sys.path)."""
     import sys
 
+    shutil.rmtree(CACHE_DIR, ignore_errors=True)
     bare = sorted(m for m in sys.modules if m.split(".")[0] in ("app", "collectors", "experiments"))
     if bare:
         print(f"\nmodules loaded under a bare folder name (import rldiag.<name> instead): {bare}", file=sys.stderr)

@@ -188,9 +188,9 @@ def nonfinite_signature(h: Histories, run: str) -> NonFiniteSignature | None:
     bad = [b.step for b in bad_steps(h, run)]
     if not bad:
         return None
-    grads = [t for k in (K.GRAD_FINITE, K.GRAD_NORM) if (t := h.get(run, k)) is not None]
-    steps = sorted({int(s) for t in grads for s in t.steps.tolist()})
-    since = sum(1 for s in steps if s >= bad[0])
+    grads = [t.steps for k in (K.GRAD_FINITE, K.GRAD_NORM) if (t := h.get(run, k)) is not None]
+    steps = np.unique(np.concatenate(grads)) if grads else np.empty(0, np.int64)
+    since = int(len(steps) - np.searchsorted(steps, bad[0], "left"))  # steps from the first bad one on
     loss = {s: _value(h, run, K.LOSS, s) for s in bad}
     finite = tuple(s for s, v in loss.items() if v is not None and math.isfinite(v))
     return NonFiniteSignature(tuple(bad), since, bad[0] == first_step(h, run), finite,

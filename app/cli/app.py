@@ -52,8 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def streamlit_command(host: str, port: int) -> list[str]:
-    """The `streamlit run` command line of the dashboard (headless: the URL is printed, not prompted)."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true",
+    """The `streamlit run` command line of the dashboard (headless: the URL is printed, not prompted),
+    through `rldiag.app.dashboard.serve` (it pays the first page load's imports while the server starts)."""
+    return [sys.executable, "-m", "rldiag.app.dashboard.serve", "run", str(APP), "--server.headless", "true",
             "--server.address", host, "--server.port", str(port), "--browser.gatherUsageStats", "false",
             "--server.fileWatcherType", "none"]
 

@@ -143,8 +143,9 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         summaries = summarize(divs, h, refs, cands, metric_keys)
         # the signatures' own metrics (the signed mismatch kl_new_old_k1 among them), whatever the page charts
         sig_h = data.histories(sel.uri, tuple(refs + cands), SIGNATURE_KEYS).histories
+        alerts = data.alert_events(sel.uri, tuple(cands), data.runs_version(sel.runs, cands))
         causes = likely_causes(sig_h, data.configs(sel.uri, tuple(refs + cands)), refs, cands, summaries=summaries,
-                               alerts=data.alert_events(sel.uri, tuple(cands)))
+                               alerts=alerts)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
             st.success(f"No candidate leaves {band} on the metrics shown.", icon=":material/check:")
@@ -152,7 +153,7 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
             _divergence_summary(table, summaries, sel.labels, band, causes)
 
     if refs and cands:
-        glance.markdown(glance_line(summarize(divs, h, refs, cands, metric_keys), sel.labels, len(refs)))
+        glance.markdown(glance_line(summaries, sel.labels, len(refs)))
     with board:
         colors = run_colors(run_ids, refs, order=run_order(sel.runs))  # from the run, not its place in the pick
         labels = tuple((r, sel.labels[r]) for r in run_ids)

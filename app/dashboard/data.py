@@ -7,12 +7,13 @@ Every loader takes the tracking URI (a string) first so that Streamlit's caches 
 
 from __future__ import annotations
 
-import itertools
+import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import plotly.io
@@ -21,7 +22,9 @@ import streamlit as st
 from rldiag.app.analysis.config_diff import RunConfig, config_diff, load_configs
 from rldiag.app.analysis.divergence import Divergence, DivergenceConfig, compare_runs
 from rldiag.app.data.alerts import load_alert_events
+from rldiag.app.data.disk_cache import DiskCache
 from rldiag.app.data.histories import Histories, load_histories
+from rldiag.app.data.readers import row_at
 from rldiag.app.data.runs import find_runs
 from rldiag.app.data.store import Store, open_store
 from rldiag.app.errors import DataError, StoreUnreachable
@@ -34,6 +37,9 @@ RUNS_TTL_S = 5  # run list and status: short, so that a live run's status and ne
 CONFIG_TTL_S = 30
 HISTORY_ENTRIES = 4  # selections whose histories stay in memory (10 runs x 8 x 100k points: ~200 MB each)
 IDLE_RELOAD_S = 300  # finished runs: check for new rows at most this often (a resumed run)
+ALERTS_LIVE_S = 10  # alert events of a RUNNING run: read again at most this often
+
+log = logging.getLogger("rldiag.app")
 
 
 @st.cache_resource(max_entries=8, ttl=3600, show_spinner=False)
@@ -79,8 +85,18 @@ def configs(uri: str, run_ids: tuple[str, ...]) -> dict[str, RunConfig]:
     return _client_call(uri, "reading params and tags", lambda: load_configs(get_store(uri), run_ids))
 
 
-@st.cache_data(ttl=RUNS_TTL_S * 2, max_entries=32, show_spinner=False)
-def alert_events(uri: str, run_ids: tuple[str, ...]) -> dict[str, list[dict]]:
+def runs_version(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> tuple:
+    """What changes when the runs' alert events can have changed: each run's status and end time, and,
+    while one is RUNNING, the clock in ALERTS_LIVE_S steps (finished runs are read once)."""
+    picked = runs_df[runs_df.run_id.isin(run_ids)]
+    version = tuple(sorted((r.run_id, r.status, str(r.end_time)) for r in picked.itertuples()))
+    running = (picked.status == "RUNNING").any() or len(picked) < len(set(run_ids))
+    return version + ((int(time.time() // ALERTS_LIVE_S),) if running else ())
+
+
+@st.cache_data(ttl=3600, max_entries=32, show_spinner=False)
+def alert_events(uri: str, run_ids: tuple[str, ...], version: tuple = ()) -> dict[str, list[dict]]:
+    """The runs' alert events (`rldiag.app.data.alerts`), kept while `version` (`runs_version`) holds."""
     tags = {r: c.tags for r, c in configs(uri, run_ids).items()}
     return load_alert_events(get_store(uri), run_ids, tags=tags)
 
@@ -96,11 +112,21 @@ class Loaded:
     loaded_at: float
 
 
+@dataclass(frozen=True)
+class Persisted:
+    """What the disk cache keeps of a `Loaded`: the histories without the tracking URI (it may carry a
+    password), the stamp's token, and the SQLite row the cursor points at (a store replaced at the same
+    path holds another row there, or none: the entry is then discarded)."""
+
+    histories: Histories
+    token: str
+    cursor_row: tuple | None
+
+
 class _HistoryCache:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.entries: OrderedDict[tuple, Loaded] = OrderedDict()
-        self.generation = itertools.count(1)
 
     def previous(self, uri: str, key_set: tuple[str, ...], exact: tuple) -> Loaded | None:
         """The entry for exactly this selection, else the newest one of the same store and keys."""
@@ -115,6 +141,43 @@ def _history_cache() -> _HistoryCache:
     return _HistoryCache()
 
 
+@st.cache_resource(max_entries=1, show_spinner=False)
+def disk_cache() -> DiskCache | None:
+    """The cache on disk that a restarted dashboard opens from (`rldiag.app.data.disk_cache`)."""
+    return DiskCache.from_env()
+
+
+def _cursor_row(store: Store, h: Histories) -> tuple | None:
+    if h.method != "sql" or store.sqlite_path is None or not h._cursor:
+        return None
+    with store.read_only() as con:
+        return row_at(con, h._cursor)
+
+
+def _from_disk(uri: str, exact: tuple) -> Loaded | None:
+    """The histories a previous dashboard process kept for exactly this selection, if still valid for
+    the store; they are then brought up to date like any other (only rows written since are read)."""
+    disk = disk_cache()
+    entry = disk.get("histories", exact) if disk is not None else None
+    if not isinstance(entry, Persisted):
+        return None
+    store = get_store(uri)
+    if entry.cursor_row != _cursor_row(store, entry.histories):
+        log.info("rldiag: the cached histories of %d run(s) no longer match the store (replaced or rewritten); "
+                 "reading them again", len(exact[1]))
+        return None
+    return Loaded(replace(entry.histories, store_uri=store.uri), (*exact, entry.token), float("-inf"))
+
+
+def _to_disk(uri: str, exact: tuple, loaded: Loaded) -> None:
+    disk = disk_cache()
+    if disk is None:
+        return
+    h = loaded.histories
+    disk.put_later("histories", exact, Persisted(replace(h, store_uri="", fetched=0), loaded.stamp[3],
+                                                 _cursor_row(get_store(uri), h)))
+
+
 def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, live: bool = False,
               force: bool = False) -> Loaded:
     """Every point of `metric_keys` for `run_ids`. Served from memory; new rows are fetched
@@ -123,27 +186,45 @@ def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, l
     exact = (uri, tuple(run_ids), tuple(sorted(metric_keys)))
     with cache.lock:
         prev = cache.previous(uri, exact[2], exact)
+    if prev is None:
+        prev = _from_disk(uri, exact)
     fresh_enough = prev is not None and time.monotonic() - prev.loaded_at < IDLE_RELOAD_S
     if prev is not None and prev.stamp[:3] == exact and fresh_enough and not (live or force):
         return prev
     h = load_histories(get_store(uri), list(run_ids), list(metric_keys),
                        previous=prev.histories if prev is not None else None)
     unchanged = prev is not None and prev.stamp[:3] == exact and h.fetched == 0
-    stamp = prev.stamp if unchanged else (*exact, next(cache.generation))
+    stamp = prev.stamp if unchanged else (*exact, uuid.uuid4().hex)  # unique across processes: keys the disk too
     loaded = Loaded(h, stamp, time.monotonic())
     with cache.lock:
         cache.entries[exact] = loaded
         cache.entries.move_to_end(exact)
         while len(cache.entries) > HISTORY_ENTRIES:
             cache.entries.popitem(last=False)
+    if not unchanged:
+        _to_disk(uri, exact, loaded)
     return loaded
+
+
+def _persisted(kind: str, key: tuple, build):
+    """`build()`, kept on disk under `key` (which must name everything the value follows from)."""
+    disk = disk_cache()
+    if disk is not None and (hit := disk.get(kind, key)) is not None:
+        return hit
+    value = build()
+    if disk is not None:
+        disk.put_later(kind, key, value)
+    return value
 
 
 @st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
 def divergences(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
                 metric_keys: tuple[str, ...]) -> dict[str, dict[str, Divergence]]:
-    """`{key: {candidate: Divergence}}` against the references (several form a band); keyed on `stamp`."""
-    return compare_runs(_h, reference_ids, candidate_ids, metric_keys, DivergenceConfig.from_env())
+    """`{key: {candidate: Divergence}}` against the references (several form a band); keyed on `stamp`,
+    and kept on disk for the next dashboard process."""
+    config = DivergenceConfig.from_env()
+    return _persisted("divergence", (stamp, reference_ids, candidate_ids, metric_keys, repr(config)),
+                      lambda: compare_runs(_h, reference_ids, candidate_ids, metric_keys, config))
 
 
 @st.cache_data(ttl=3600, max_entries=256, show_spinner=False)
@@ -163,10 +244,16 @@ def grid(stamp: tuple, _h: Histories, metric_keys: tuple[str, ...], run_ids: tup
          labels: tuple[tuple[str, str], ...], reference_ids: tuple[str, ...], colors: tuple[tuple[str, str], ...],
          _divergences: Mapping[str, Mapping[str, Divergence]], options: ChartOptions) -> str:
     """The `figure` of each of `metric_keys` as a panel of one figure (`grid_figure`), as the plotly
-    JSON the Compare page draws; `_divergences` maps a key to its `{candidate: Divergence}`."""
-    figures = [figure(stamp, _h, key, run_ids, labels, reference_ids, colors, _divergences.get(key, {}), options)
-               for key in metric_keys]
-    return plotly.io.to_json(grid_figure(figures), validate=False)
+    JSON the Compare page draws; `_divergences` maps a key to its `{candidate: Divergence}` (they follow
+    from `stamp`, the runs and the detector's options: the disk cache's key names those)."""
+
+    def build() -> str:
+        figures = [figure(stamp, _h, key, run_ids, labels, reference_ids, colors, _divergences.get(key, {}), options)
+                   for key in metric_keys]
+        return plotly.io.to_json(grid_figure(figures), validate=False)
+
+    key = (stamp, metric_keys, run_ids, labels, reference_ids, colors, repr(options), repr(DivergenceConfig.from_env()))
+    return _persisted("grid", key, build)
 
 
 # ---- pure helpers the pages share ---------------------------------------------------------------

@@ -12,6 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from rldiag.app.analysis.nan_events import nan_events, unchecked_steps, unchecked_text
+from rldiag.app.analysis.step_events import scaler_overflows, step_event_lines
 from rldiag.app.dashboard import data
 from rldiag.app.dashboard.html_table import html_table
 from rldiag.app.dashboard.selection import Selection, current, escape_md, needs_runs
@@ -20,7 +21,9 @@ from rldiag.app.report.content import fmt
 from rldiag.app.report.nan_episodes import Episode, nan_episodes, origin_text
 from rldiag.collectors import keys
 
-GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.GRAD_FOUND, keys.LOSS)
+# the fp16 scaler's keys: its overflows are said apart from the NaN steps (rldiag.app.analysis.step_events)
+GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.GRAD_FOUND, keys.LOSS, keys.GRAD_SCALER_OVERFLOW,
+             keys.GRAD_LOSS_SCALE)
 MAX_EXPANDERS = 50  # episodes with their per-step detail; the rest are in the table only
 MAX_STATIC_ROWS = 200  # a per-step detail longer than this is a (scrolling) data grid
 
@@ -83,7 +86,7 @@ def render() -> None:
     ids = list(sel.picked)
     with st.spinner("Loading gradient metrics..."):
         h = data.histories(sel.uri, ids, GRAD_KEYS, live=sel.running).histories
-        alerts = data.alert_events(sel.uri, tuple(ids))
+        alerts = data.alert_events(sel.uri, tuple(ids), data.runs_version(sel.runs, ids))
     events = nan_events(h, data.get_store(sel.uri), ids, alerts)
     counts = events.groupby("run_id")["step"].agg(["count", "min"]) if len(events) else pd.DataFrame()
     summary = pd.DataFrame({
@@ -92,6 +95,9 @@ def render() -> None:
         "first step": [str(int(counts["min"][r])) if len(counts) and r in counts.index else "-" for r in ids],
         "alerts (tag)": [int(sel.runs.set_index("run_id").at[r, "alerts"]) for r in ids],
     })
+    overflows = [len(ov.steps) if (ov := scaler_overflows(h, r)) else 0 for r in ids]
+    if any(overflows):  # fp16: an ordinary event, counted apart from the non-finite steps
+        summary["scaler overflows"] = overflows
     st.dataframe(summary, hide_index=True, key="nan.summary")
     no_grad = [r for r in ids if h.get(r, keys.GRAD_NORM) is None and h.get(r, keys.GRAD_FINITE) is None]
     unchecked = unchecked_text({r: unchecked_steps(h, r) for r in ids}, sel.labels)
@@ -105,6 +111,11 @@ def render() -> None:
                    "at every logged step).", icon=":material/check:")
     else:
         _episodes(sel, events, h, alerts)
+    over, loss = step_event_lines(h, ids, sel.labels)
+    for line in loss:  # no NaN gradient, but the loss the run optimises is NaN: its own warning
+        st.warning(escape_md(line), icon=":material/warning:")
+    for line in over:
+        st.info(escape_md(line), icon=":material/info:")
     other = nonfinite_table(h, ids)
     other = other[other["key"] != keys.GRAD_FINITE]
     if len(other):

@@ -350,3 +350,11 @@ def _parallel(fn, items: Sequence, max_workers: int, store: Store) -> list:
                                    "and MLFLOW_TRACKING_URI points at it.") from None
         raise
 
+
+
+def row_at(con, rowid: int) -> tuple | None:
+    """The metrics row with this rowid (run, key, step, timestamp, value), or None: what a cache keeps
+    to tell the store it read from from one replaced or rewritten at the same path."""
+    row = con.execute("SELECT run_uuid, key, step, timestamp, value FROM metrics WHERE rowid = ?",
+                      (rowid,)).fetchone()
+    return tuple(row) if row is not None else None

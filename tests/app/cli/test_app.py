@@ -49,7 +49,7 @@ def test_taken_port_says_to_pick_another(store_uri, capsys):
 
 def test_streamlit_command_is_headless_on_the_given_address():
     cmd = streamlit_command("0.0.0.0", 8600)
-    assert cmd[:4] == [sys.executable, "-m", "streamlit", "run"] and cmd[4].endswith("app/dashboard/streamlit_app.py")
+    assert cmd[:4] == [sys.executable, "-m", "rldiag.app.dashboard.serve", "run"] and cmd[4].endswith("app/dashboard/streamlit_app.py")
     flags = dict(zip(cmd[5::2], cmd[6::2]))
     assert flags == {"--server.headless": "true", "--server.address": "0.0.0.0", "--server.port": "8600",
                      "--browser.gatherUsageStats": "false", "--server.fileWatcherType": "none"}

@@ -1,0 +1,45 @@
+"""The Streamlit server process of `rldiag app`: `python -m rldiag.app.dashboard.serve run APP [options]`
+is `streamlit run APP [options]`, with the first page load's fixed costs paid while the server starts.
+
+Without it, the first visitor waits for imports (MLflow's SQL store alone: about 2 s on 2 cores) and
+for the store's client to be built. Here a background thread imports the dashboard's pages (Streamlit,
+pandas, plotly) and MLflow's store classes, then opens the store `rldiag app` was given: modules are
+shared by every script run in this process. A failure there changes nothing: the page reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+log = logging.getLogger("rldiag.app")
+
+
+def warm() -> None:
+    """Import what every page load needs and build the store's client."""
+    try:
+        import rldiag.app.dashboard.shell  # noqa: F401 - every page, streamlit, plotly, pandas
+        from rldiag.app.dashboard import RLDIAG_TRACKING_URI
+        from rldiag.app.data.readonly_sql import store_class
+        from rldiag.app.data.runs import find_runs  # noqa: F401
+        from rldiag.app.data.store import open_store
+
+        store_class()
+        uri = RLDIAG_TRACKING_URI.get()
+        if uri:
+            open_store(uri).client  # noqa: B018 - builds MLflow's client and its store (and their imports)
+    except Exception as e:  # noqa: BLE001 - warming is an optimisation; the page shows any real problem
+        log.debug("rldiag: warming the dashboard failed (%s: %s)", type(e).__name__, e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    threading.Thread(target=warm, name="rldiag-warm", daemon=True).start()
+    from streamlit.web import cli
+
+    sys.argv = ["streamlit", *(sys.argv[1:] if argv is None else argv)]
+    return cli.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
