@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from rldiag.collectors.gradcheck import (
     grad_norm_stats,
     shard_split,
 )
+from rldiag.collectors.loss_event import LossCheck
 from rldiag.collectors.metrics import pack, to_host
 from rldiag.collectors.nan_origin import autograd_order, in_order, nan_origin
 from rldiag.collectors.session import NonFiniteGradientError, RunSession
@@ -89,6 +90,7 @@ class Monitor:
         self.probe = LogitsProbe()
         self.last_report: GradReport | None = None
         self._overflows = OverflowCounter()
+        self._loss_check = LossCheck()
         self._warned_no_grads = False
 
     @property
@@ -166,6 +168,7 @@ class Monitor:
                     for j, k in enumerate(values):
                         logged[f"rank{r}/{k}"] = per[r * len(values) + j]
             self.writer.log_metrics(logged, step)
+            self._loss_check.update(self.session, step, got.get(keys.LOSS), report.finite)
         if report.finite or not report.found:  # unknown: nothing to alert on or to skip
             return True
         if report.overflow:  # the scaler skips this step and lowers its scale: its own event, no alert
@@ -224,7 +227,7 @@ class Monitor:
         """Drain the writer, send held-back alert summaries, store the alert events, end the run."""
         return self.session.close(status) if self.session else None
 
-    def __enter__(self) -> Monitor:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -12,6 +12,7 @@ import html
 from functools import cache
 
 from rldiag.app.analysis.nan_events import unchecked_text
+from rldiag.app.analysis.step_events import step_event_lines
 from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
@@ -139,6 +140,13 @@ def _causes(c: ReportContent) -> str:
 
 
 def _nan_events(c: ReportContent) -> str:
+    """The NaN episodes, then the scaler overflows and NaN losses with finite gradients, said apart."""
+    over, loss = step_event_lines(c.histories, [r.run_id for r in c.runs], c.labels)
+    return _nan_episodes(c) + "".join(f"<p><strong>{e(x)}</strong></p>" for x in loss) + "".join(
+        f"<p>{e(x)}</p>" for x in over)
+
+
+def _nan_episodes(c: ReportContent) -> str:
     """One row per run and episode (`nan_episodes`), the per-step detail folded under it."""
     ev = c.nan_events
     unchecked = unchecked_text(c.unchecked, c.labels)

@@ -8,6 +8,7 @@ table cell, open a link or inject HTML. Long tables are cut at `MAX_ROWS`; the H
 from __future__ import annotations
 
 from rldiag.app.analysis.nan_events import unchecked_text
+from rldiag.app.analysis.step_events import step_event_lines
 from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
@@ -120,6 +121,9 @@ def render_markdown(c: ReportContent) -> str:
                          md(first["positions"]) or "-"])
         out += _table(["run", "steps", "at steps", "grad norm at the first", "parameters named", "first positions"],
                       rows, "lrlrll")
+    over, loss = step_event_lines(c.histories, [r.run_id for r in c.runs], labels)
+    if over or loss:  # said apart from the NaN gradient steps, never among them
+        out += ["", *(f"- {md(x)}" for x in loss + over)]
     out.append("")
 
     nf = c.nonfinite

@@ -68,3 +68,46 @@ def divergence_event(run_id: str, run_name: str, group: str, references: Sequenc
             "references": list(references), "key": row["key"], "step": int(row["onset_step"]),
             "departure": row["kind"], "delta": _num(float(delta)), "delta_sigma": _num(float(row["delta_sigma"])),
             "cause": cause, "time": time.time(), "text": text}
+
+
+@dataclass
+class LossAlert:
+    """A step whose logged loss is NaN or inf while its gradients are not flagged (kind "nonfinite_loss"):
+    an alert of its own, never a NaN-gradient one (no MLflow tag; see `rldiag.app.analysis.step_events`)."""
+
+    run_id: str
+    run_name: str
+    step: int
+    value: float
+    checked: bool  # a finite gradient check was logged at this step
+    experiment: str = ""
+    kind = "nonfinite_loss"
+
+    def text(self) -> str:
+        name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
+        where = f" in experiment {self.experiment!r}" if self.experiment else ""
+        grads = ("every gradient is finite there: part of the loss carries no gradient (a detached term, a value "
+                 "computed under no_grad), or backward ran on another tensor" if self.checked
+                 else "no gradient check was logged at this step (unknown, not finite)")
+        return f"rldiag watch: loss is {_num(self.value)} in run {name}{where} at step {self.step}; {grads}"
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "source": SOURCE, "run_id": self.run_id, "run_name": self.run_name,
+                "step": self.step, "loss": _num(self.value), "grads_checked": self.checked,
+                "experiment": self.experiment, "time": time.time(), "text": self.text()}
+
+
+@dataclass
+class OverflowNote:
+    """The scaler overflows of a run new since the last poll (kind "scaler_overflow"): told, never alerted."""
+
+    run_id: str
+    run_name: str
+    steps: list[int]  # new this cycle
+    summary: str  # `ScalerOverflows.text()` of all of the run's overflows so far
+
+    def as_dict(self) -> dict:
+        name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
+        return {"kind": "scaler_overflow", "source": SOURCE, "run_id": self.run_id, "run_name": self.run_name,
+                "steps": self.steps, "step": self.steps[-1], "time": time.time(),
+                "text": f"rldiag watch: run {name}: {self.summary}; not a NaN gradient"}

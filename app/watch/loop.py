@@ -12,7 +12,11 @@ Each poll cycle (one at a time, every `--interval` seconds):
    any rldiag inf flag) back as inf;
 4. every bad step not in the state file becomes one event through the collectors' sinks
    (`rldiag.collectors.alerts`: log, JSONL, webhook, MLflow tags), rate-limited per run for log and webhook;
-   then the state is saved (see `rldiag.app.watch.state`).
+   then the state is saved (see `rldiag.app.watch.state`);
+5. a step whose `loss` is NaN/inf while its gradients are not flagged is an alert of its own kind
+   ("nonfinite_loss"); fp16 scaler overflows (`grad/scaler_overflow` = 1) are told once, in one
+   "scaler_overflow" event per run and cycle to the sinks that record every event, never alerted
+   (`rldiag.app.analysis.step_events`).
 With `--divergence`, candidates (tag rldiag.role=candidate) are also compared with the reference runs
 of their rldiag.group (`rldiag.app.analysis.divergence`), once per (run, metric).
 
@@ -31,10 +35,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rldiag.app.analysis.nan_events import bad_steps
+from rldiag.app.analysis.step_events import nonfinite_loss, scaler_overflows
 from rldiag.app.data.histories import Histories, load_histories
 from rldiag.app.data.runs import pages
 from rldiag.app.data.store import Store, store_errors
-from rldiag.app.watch.events import WatchAlert, divergence_event
+from rldiag.app.watch.events import LossAlert, OverflowNote, WatchAlert, divergence_event
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import AlertDispatcher, MlflowTagSink, NonFiniteGradAlert
@@ -43,7 +48,9 @@ from rldiag.collectors.uri import redact_text, redact_uri
 log = logging.getLogger("rldiag.watch")
 
 # canonical; aliases come from keys.ALIASES. The loss tells a NaN's likely cause (finite loss, NaN gradients).
-WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS)
+# The fp16 scaler's keys tell its overflows (told, never alerted) from NaN gradients.
+WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, keys.GRAD_SCALER_OVERFLOW,
+                               keys.GRAD_LOSS_SCALE)
 ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
 DEFAULT_INTERVAL = 30.0
 
@@ -85,6 +92,7 @@ class CycleResult:
     seconds: float
     new_runs: list[str] = field(default_factory=list)
     skipped: int = 0  # runs of the watched experiments not read: ended before this watcher's window
+    notes: int = 0  # events told that are no alert (fp16 scaler overflows)
 
 
 class Watcher:
@@ -107,6 +115,7 @@ class Watcher:
         self._div_h: Histories | None = None
         self._dispatchers: dict[str, AlertDispatcher] = {}
         self._seen: set[str] = set()
+        self._notes = 0  # events told this cycle that are no alert (scaler overflows)
 
     def _resolve(self, names: Sequence[str]) -> list[str]:
         from rldiag.app.errors import ExperimentNotFound
@@ -150,7 +159,7 @@ class Watcher:
         runs, exp_names, skipped = self.runs_to_read(since)
         ids = [r.info.run_id for r in runs]
         self._h = load_histories(self.store, ids, WATCH_KEYS, previous=self._h) if ids else None
-        sent = 0
+        sent, self._notes = 0, 0
         for r in runs:
             sent += self._check_run(r, exp_names.get(r.info.experiment_id, ""))
         if self.divergence:
@@ -159,18 +168,21 @@ class Watcher:
         self._seen = set(ids)
         self.state.last_poll_ms = started_ms
         self.state.save()
-        return CycleResult(len(ids), sent, self._h.fetched if self._h else 0, time.perf_counter() - t0, new, skipped)
+        return CycleResult(len(ids), sent, self._h.fetched if self._h else 0, time.perf_counter() - t0, new, skipped,
+                           self._notes)
 
     def _check_run(self, run, experiment: str) -> int:
         run_id, name = run.info.run_id, run.info.run_name or ""
+        sent = self._check_loss(run_id, name, experiment)
+        self._note_overflows(run_id, name)
         found = bad_steps(self._h, run_id)
         if not found:
-            return 0
+            return sent
         rs = self.state.run(run_id, name)
         fresh = set(rs.new_steps(np.array([b.step for b in found], np.int64)).tolist())
         todo = [b for b in found if b.step in fresh]
         if not todo:
-            return 0
+            return sent
         disp = self._dispatcher(run_id, rs)
         cause = _cause(self._h, run, {})
         for b in todo:
@@ -178,7 +190,40 @@ class Watcher:
                                  experiment, cause))
             rs.mark(b.step)
         self.state.save()  # per run, so a crash repeats as little as possible
-        return len(todo)
+        return sent + len(todo)
+
+    def _check_loss(self, run_id: str, name: str, experiment: str) -> int:
+        """Alert on each new step whose loss is non-finite while its gradients are not (kind
+        "nonfinite_loss"; a NaN loss with NaN gradients is the NaN-gradient alert)."""
+        nl = nonfinite_loss(self._h, run_id)
+        if nl is None:
+            return 0
+        rs = self.state.run(run_id, name)
+        new = set(rs.new_noted(LossAlert.kind, nl.steps))
+        if not new:
+            return 0
+        disp = self._dispatcher(run_id, rs)
+        for step, value in zip(nl.steps, nl.values):
+            if step in new:
+                disp.emit(LossAlert(run_id, name, step, value, nl.checked, experiment))
+        rs.note(LossAlert.kind, new)
+        self.state.save()
+        return len(new)
+
+    def _note_overflows(self, run_id: str, name: str) -> None:
+        """Tell a run's new fp16 scaler overflows once, in one event per cycle: no alert (the scaler
+        skips those steps and lowers its scale), not counted in `--once`'s exit status."""
+        ov = scaler_overflows(self._h, run_id)
+        if ov is None:
+            return
+        rs = self.state.run(run_id, name)
+        new = rs.new_noted("scaler_overflow", ov.steps)
+        if not new:
+            return
+        self._dispatcher(run_id, rs).note(OverflowNote(run_id, name, new, ov.text()))
+        rs.note("scaler_overflow", new)
+        self.state.save()
+        self._notes += 1
 
     def _dispatcher(self, run_id: str, rs) -> AlertDispatcher:
         d = self._dispatchers.get(run_id)

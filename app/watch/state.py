@@ -6,7 +6,8 @@ nor misses an event.
      "runs": {"<run_id>": {"name": "grpo-v1",
                            "alerted": [[3, 3], [7, 9]],        # steps alerted on, as closed ranges
                            "alerts": 4, "first_step": 3,       # for the MLflow tag sink's counters
-                           "diverged": {"policy/ratio_mean": 120}}}}
+                           "diverged": {"policy/ratio_mean": 120},
+                           "noted": {"scaler_overflow": [[0, 0]]}}}}   # other events told (not alerts)
 
 Only runs that alerted get an entry, and a run of consecutive bad steps is one range, so the file stays
 small. It is written atomically (a temporary file, then `os.replace`) and guarded by an exclusive
@@ -42,6 +43,17 @@ def in_ranges(steps: np.ndarray, ranges: list[list[int]]) -> np.ndarray:
     return ok & (steps <= hi[np.maximum(i, 0)])
 
 
+def add_step(ranges: list[list[int]], step: int) -> list[list[int]]:
+    """`ranges` (sorted, disjoint, closed) with `step` added, neighbours merged."""
+    merged: list[list[int]] = []
+    for a, b in sorted(ranges + [[int(step), int(step)]]):
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
 @dataclass
 class RunState:
     name: str = ""
@@ -49,6 +61,17 @@ class RunState:
     alerts: int = 0
     first_step: int | None = None
     diverged: dict[str, int] = field(default_factory=dict)
+    # steps already told per event kind that is no NaN-gradient alert ("nonfinite_loss", "scaler_overflow")
+    noted: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def new_noted(self, kind: str, steps) -> list[int]:
+        """The steps of `steps` not yet told as `kind`."""
+        steps = np.unique(np.asarray(list(steps), np.int64))
+        return steps[~in_ranges(steps, self.noted.get(kind, []))].tolist()
+
+    def note(self, kind: str, steps) -> None:
+        for s in steps:
+            self.noted[kind] = add_step(self.noted.get(kind, []), s)
 
     def new_steps(self, steps: np.ndarray) -> np.ndarray:
         """The steps of `steps` (unique, sorted) not alerted on yet."""
@@ -56,13 +79,7 @@ class RunState:
         return steps[~in_ranges(steps, self.alerted)]
 
     def mark(self, step: int) -> None:
-        merged: list[list[int]] = []
-        for a, b in sorted(self.alerted + [[int(step), int(step)]]):
-            if merged and a <= merged[-1][1] + 1:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        self.alerted = merged
+        self.alerted = add_step(self.alerted, step)
         self.alerts += 1
         self.first_step = int(step) if self.first_step is None else min(self.first_step, int(step))
 
@@ -83,7 +100,7 @@ class WatchState:
     def to_json(self) -> dict:
         return {"version": VERSION, "last_poll_ms": self.last_poll_ms,
                 "runs": {r: {"name": s.name, "alerted": s.alerted, "alerts": s.alerts, "first_step": s.first_step,
-                             "diverged": s.diverged} for r, s in sorted(self.runs.items())}}
+                             "diverged": s.diverged, "noted": s.noted} for r, s in sorted(self.runs.items())}}
 
     @classmethod
     def load(cls, path: str | Path) -> WatchState:
@@ -97,7 +114,8 @@ class WatchState:
                 raise ValueError(f"version {data.get('version')!r}, expected {VERSION}")
             runs = {r: RunState(name=str(s.get("name", "")), alerted=[[int(a), int(b)] for a, b in s.get("alerted", [])],
                                 alerts=int(s.get("alerts", 0)), first_step=s.get("first_step"),
-                                diverged={str(k): int(v) for k, v in s.get("diverged", {}).items()})
+                                diverged={str(k): int(v) for k, v in s.get("diverged", {}).items()},
+                                noted={str(k): [[int(a), int(b)] for a, b in v] for k, v in s.get("noted", {}).items()})
                     for r, s in data.get("runs", {}).items()}
             last = data.get("last_poll_ms")
             return cls(path, int(last) if last is not None else None, runs)

@@ -59,6 +59,7 @@ from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_
 from rldiag.collectors.compat.torch import loss_scale_tensor
 from rldiag.collectors.gradcheck import GradReport, LogitsProbe
 from rldiag.collectors.import_utils import require
+from rldiag.collectors.loss_event import LossCheck
 from rldiag.collectors.nan_origin import in_order, nan_origin
 from rldiag.collectors.session import POLICIES, NonFiniteGradientError, RunSession
 
@@ -149,6 +150,7 @@ class RldiagCallback(TrainerCallback):
         self._probe = LogitsProbe()
         self._probe_handle = None
         self._overflows = OverflowCounter()
+        self._loss_check = LossCheck()
         self._shared_run = False  # logging into transformers' MLflowCallback run (report_to="mlflow")
 
     # ---- wiring --------------------------------------------------------------------------------
@@ -252,6 +254,8 @@ class RldiagCallback(TrainerCallback):
             else:
                 values.update(report.metrics())
             self.session.writer.log_metrics(values, step)
+            self._loss_check.update(self.session, step, extra[0] if extra else None,
+                                    report.finite if report is not None else None)
         if report is None or report.finite:
             return
         if report.overflow:  # the scaler skips this step in optimizer.step() and halves its scale

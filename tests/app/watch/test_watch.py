@@ -84,14 +84,17 @@ def test_every_grad_norm_name_maxfloat_and_flag_incremental_and_restart(store_ur
     store = open_store(store_uri)
     w = Watcher(store, WatchState.load(state_file), [JsonlSink(alerts)])
     res = w.poll()
-    ev = read_events(alerts)
-    # trl: NaN at 2 (the NaN loss is not a gradient key); verl: inf at 3; rldiag: flag 0 at 4; fine: none
+    ev = [e for e in read_events(alerts) if e["kind"] == "nonfinite_grad"]
+    # trl: NaN at 2; verl: inf at 3; rldiag: flag 0 at 4; fine: none
     assert sorted((e["run_name"], e["step"]) for e in ev) == [("rldiag", 4), ("trl", 2), ("verl", 3)]
+    # trl's NaN loss at 3 is no gradient key: an alert of its own kind, with no gradient check logged there
+    [loss] = [e for e in read_events(alerts) if e["kind"] == "nonfinite_loss"]
+    assert (loss["run_name"], loss["step"], loss["loss"], loss["grads_checked"]) == ("trl", 3, "nan", False)
     by = {e["run_name"]: e for e in ev}
     assert by["verl"]["grad_norm"] == "inf" and by["verl"]["keys"] == {"actor/grad_norm": "inf"}
     assert by["trl"]["grad_norm"] == "nan" and by["rldiag"]["keys"] == {keys.GRAD_FINITE: 0.0}
     assert by["rldiag"]["grad_norm"] == 2.0 and all(e["source"] == "watch" for e in ev)
-    assert res.runs == 4 and res.alerts == 3
+    assert res.runs == 4 and res.alerts == 4
 
     assert w.poll().alerts == 0 and w.poll().fetched == 0  # nothing new: nothing sent, nothing read
     log_raw(store_uri, trl, [("grad_norm", NAN, t + 6, 6), ("grad_norm", 1.0, t + 7, 7)])

@@ -1,0 +1,140 @@
+"""Two step events beside a NaN gradient, each told apart from one: an fp16 loss-scaler overflow, and a
+loss that went non-finite while every gradient stayed finite.
+
+    ov = scaler_overflows(h, run_id)        # ScalerOverflows | None; ov.text()
+    nl = nonfinite_loss(h, run_id)          # NonFiniteLoss | None; nl.text()
+
+A scaler overflow (`grad/scaler_overflow` = 1, logged by the collectors under a `torch.amp.GradScaler`) is
+ordinary fp16 training: the scaler skips that optimizer step and lowers its scale. The collectors log no
+`grad/finite` there, so it is never a NaN event (collectors/amp.py says when an overflow is a real NaN).
+
+A non-finite `loss` at a step whose gradients are not non-finite is no NaN gradient either: part of the loss
+carries no gradient (a term detached or computed under `no_grad`), or backward ran on another tensor than
+the one logged. The NaN events and the watcher say it as its own line, and say when no gradient check was
+logged at those steps (then nothing is known about the gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rldiag.app.analysis.nan_events import bad_steps
+from rldiag.app.data.histories import Histories
+from rldiag.app.data.steps import format_ranges
+from rldiag.collectors import keys
+
+LONG_STREAK = 8  # overflows in a row past the scale's usual settling (65536 -> 256 in 8 halvings)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+@dataclass(frozen=True)
+class ScalerOverflows:
+    """The steps of a run whose scaled fp16 gradients overflowed, with the loss scale at them."""
+
+    run_id: str
+    steps: tuple[int, ...]
+    scales: tuple[float, ...]  # the loss scale each step's gradients were multiplied by (NaN: not logged)
+    longest: int  # the most overflows in a row (consecutive logged steps)
+
+    def text(self) -> str:
+        """ "scaler overflow: 3 steps (0, 2, 4; skipped by the GradScaler, loss scale lowered: 65536 at the
+        first, 16384 at the last)"."""
+        n = len(self.steps)
+        first, last = self.scales[0], self.scales[-1]
+        if n > 1 and math.isfinite(first) and math.isfinite(last):
+            scale = f": {first:g} at the first, {last:g} at the last"
+        elif math.isfinite(first):
+            scale = f" from {first:g}"
+        else:
+            scale = ""
+        streak = (f"; {self.longest} in a row: more than the scale's usual settling (a NaN the scaling did not "
+                  "cause overflows like this until the scale reaches 1)" if self.longest >= LONG_STREAK else "")
+        return (f"scaler overflow: {_plural(n, 'step')} ({format_ranges(self.steps, limit=8)}; skipped by the "
+                f"GradScaler, loss scale lowered{scale}){streak}")
+
+
+def scaler_overflows(h: Histories | None, run_id: str) -> ScalerOverflows | None:
+    """The run's scaler overflows, or None when it logged none (or no `grad/scaler_overflow` at all)."""
+    t = h.get(run_id, keys.GRAD_SCALER_OVERFLOW) if h is not None else None
+    if t is None:
+        return None
+    hit = t.values == 1.0
+    if not hit.any():
+        return None
+    steps = t.steps[hit]
+    scale = h.get(run_id, keys.GRAD_LOSS_SCALE)
+    scales = np.full(len(steps), np.nan)
+    if scale is not None and len(scale.steps):
+        i = np.clip(np.searchsorted(scale.steps, steps), 0, len(scale.steps) - 1)
+        found = scale.steps[i] == steps
+        scales[found] = scale.values[i[found]]
+    longest = run = 0
+    for v in hit.tolist():  # the flag is logged at every step under a scaler: neighbours are consecutive steps
+        run = run + 1 if v else 0
+        longest = max(longest, run)
+    return ScalerOverflows(run_id, tuple(int(s) for s in steps), tuple(float(s) for s in scales), longest)
+
+
+@dataclass(frozen=True)
+class NonFiniteLoss:
+    """Steps where the logged loss is NaN or inf and the gradients were not flagged non-finite."""
+
+    run_id: str
+    steps: tuple[int, ...]
+    values: tuple[float, ...]
+    checked: bool  # a gradient check (grad/finite or a grad norm) was logged, finite, at every one of them
+
+    def kind(self) -> str:
+        kinds = {"NaN" if math.isnan(v) else ("inf" if v > 0 else "-inf") for v in self.values}
+        return "/".join(k for k in ("NaN", "inf", "-inf") if k in kinds)
+
+    def text(self) -> str:
+        """ "loss NaN at 2 steps (3, 7) while every gradient is finite there: ..."."""
+        where = f"{_plural(len(self.steps), 'step')} ({format_ranges(self.steps, limit=8)})"
+        if self.checked:
+            return (f"loss {self.kind()} at {where} while every gradient is finite there: part of the loss "
+                    "carries no gradient (a detached term, a value computed under no_grad), or backward ran on "
+                    "another tensor than the loss logged")
+        return f"loss {self.kind()} at {where}; no gradient check was logged at these steps (unknown, not finite)"
+
+
+def nonfinite_loss(h: Histories | None, run_id: str) -> NonFiniteLoss | None:
+    """The run's non-finite `loss` steps that are no NaN-gradient step (those the NaN events show already),
+    or None."""
+    t = h.get(run_id, keys.LOSS) if h is not None else None
+    if t is None:
+        return None
+    bad = ~np.isfinite(t.values)
+    if not bad.any():
+        return None
+    grad_bad = {b.step for b in bad_steps(h, run_id)}
+    keep = [i for i in np.flatnonzero(bad).tolist() if int(t.steps[i]) not in grad_bad]
+    if not keep:
+        return None
+    steps = [int(t.steps[i]) for i in keep]
+    checked = set()
+    for k in (keys.GRAD_FINITE, keys.GRAD_NORM):  # any logged gradient check at the step (none is bad there)
+        g = h.get(run_id, k)
+        if g is not None:
+            checked |= set(g.steps.tolist())
+    return NonFiniteLoss(run_id, tuple(steps), tuple(float(t.values[i]) for i in keep),
+                         all(s in checked for s in steps))
+
+
+def step_event_lines(h: Histories | None, run_ids, labels: dict[str, str]) -> tuple[list[str], list[str]]:
+    """`(overflow lines, loss lines)`, one per run that has them: "<run>: scaler overflow: 3 steps (...)"
+    and "<run>: loss NaN at 2 steps (...) while every gradient is finite there: ...", as the NaN events page
+    and the report say them beside (never among) the NaN gradient steps."""
+    over, loss = [], []
+    for r in run_ids:
+        if (ov := scaler_overflows(h, r)) is not None:
+            over.append(f"{labels.get(r, r)}: {ov.text()}; an ordinary fp16 event, not a NaN gradient")
+        if (nl := nonfinite_loss(h, r)) is not None:
+            loss.append(f"{labels.get(r, r)}: {nl.text()}")
+    return over, loss
