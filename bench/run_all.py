@@ -22,7 +22,7 @@ import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY for the children too
 from bench._common import RESULTS
 
 BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "log_stall", "load_histories", "callback_overhead",
-              "divergence_quality", "report_build", "dashboard_load", "install_footprint", "journal_scale",
+              "divergence_quality", "divergence_speed", "report_build", "dashboard_load", "install_footprint", "journal_scale",
               "team_load", "logits_memory")
 COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from rldiag.app.analysis.rolling_median import rolling_median, row_nanmedian
 from rldiag.app.data.trace import Trace
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
@@ -58,6 +59,8 @@ def finite_values(values: np.ndarray) -> np.ndarray:
 
 
 def rolling(a: np.ndarray, w: int, how: str, *, center: bool, min_periods: int = 1) -> np.ndarray:
+    if how == "median":  # pandas' values, by a rank filter where windows are full and finite
+        return rolling_median(a, w, center=center, min_periods=min_periods)
     frame = pd.DataFrame(a)
     r = frame.rolling(w, center=center, min_periods=min(min_periods, w))
     out = getattr(r, how)().to_numpy()
@@ -109,15 +112,16 @@ def _skew(x: np.ndarray) -> float:
     return float((q90 + q10 - 2 * q50) / (q90 - q10)) if q90 > q10 else 0.0
 
 
-def _use_log(refs: np.ndarray, detrend: int) -> bool:
-    """Positive metrics whose residuals are less skewed as logs (KL, clip rate, grad norm)."""
+def _use_log(refs: np.ndarray, detrend: int) -> tuple[bool, np.ndarray | None]:
+    """Positive metrics whose residuals are less skewed as logs (KL, clip rate, grad norm); also the
+    references' wide smooth where it was computed (the noise model reuses it)."""
     ok = refs[np.isfinite(refs)]
     if len(ok) < 8 or ok.min() <= 0:
-        return False
-    raw = refs - rolling(refs, detrend, "median", center=True)
+        return False, None
+    wide = rolling(refs, detrend, "median", center=True)
     lg = np.log(refs)
     lgr = lg - rolling(lg, detrend, "median", center=True)
-    return abs(_skew(lgr.ravel())) + 0.05 < abs(_skew(raw.ravel()))
+    return abs(_skew(lgr.ravel())) + 0.05 < abs(_skew((refs - wide).ravel())), wide
 
 
 def transform(values: np.ndarray, log: bool, floor: float) -> np.ndarray:
@@ -155,15 +159,16 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         ref_nonfinite |= bool(np.isnan(v).any() and len(v))
         raw[pos, j] = v
     with quiet():
-        log = _use_log(raw, config.detrend_window)
+        log, raw_wide = _use_log(raw, config.detrend_window)
         pos_min = np.nanmin(np.where(raw > 0, raw, np.nan)) if log else 1.0
         log_floor = float(pos_min) / 10 if log else 1.0
         vals = transform(raw, log, log_floor)
         smooth = rolling(vals, config.window, "median", center=True, min_periods=config.window // 2 + 1)
-        center = np.nanmedian(smooth, axis=1)
+        center = row_nanmedian(smooth)
         # Point noise and its autocorrelation from each seed's residual around a wide smooth (trend out):
         # structure function D(h) = robust variance of x[t+h] - x[t]; AR(1): D(2)/D(1) = 1 + phi.
-        wide = rolling(vals, config.detrend_window, "median", center=True, min_periods=1)
+        wide = (raw_wide if raw_wide is not None and not log
+                else rolling(vals, config.detrend_window, "median", center=True, min_periods=1))
         resid = vals - wide
         # sigma: robust sd of the residual; phi from the lag-1 structure function D(1) = 2 sigma^2 (1 - phi)
         # (steadier than a ratio of two structure-function values).
@@ -179,7 +184,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         n = vals.shape[1]
         # Seed-to-seed spread: each seed's wide smooth around the seeds' median, noise of that smooth out.
         if n >= 2:
-            wide_c = np.nanmedian(wide, axis=1)
+            wide_c = row_nanmedian(wide)
             dev = wide - wide_c[:, None]
             est = float(np.nanmean(dev**2) * n / (n - 1)) if np.isfinite(dev).any() else 0.0
             est = max(est - sigma**2 * ar_mean_var(config.detrend_window, phi), 0.0)
@@ -258,16 +263,23 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
     `cand_bad`: candidate non-finite where a reference is finite; `cand_resid_scale`: trailing robust
     scale of the candidate's first differences (for variance departures)."""
     n = len(r)
+    medians: dict[int, np.ndarray] = {}
+
+    def trailing(m: int) -> np.ndarray:  # the change test reuses the level windows' medians
+        if m not in medians:
+            medians[m] = _trailing_median(r, m)
+        return medians[m]
+
     with quiet():
-        level = {m: _trailing_median(r, m) / sd for m, sd in zip(config.windows, noise.null_sd)}
+        level = {m: trailing(m) / sd for m, sd in zip(config.windows, noise.null_sd)}
         # (window, z, bar, window whose level z says when it is over, steps it looks back, its null sd)
         # every window at every step where it is 60% full: whether a window counts never depends on
         # how long the candidate is now, so a prefix of the run reports what the whole run reports there
         tests = [(m, level[m], th, m, m, sd) for m, th, sd in zip(config.windows, noise.threshold, noise.null_sd)]
         for (q, p), sd in zip(config.change_windows, noise.change_sd):
-            before = np.roll(_trailing_median(r, p), q)
+            before = np.roll(trailing(p), q)
             before[:q] = np.nan
-            zc = (_trailing_median(r, q) - before) / sd
+            zc = (trailing(q) - before) / sd
             end_m = q if q in level else config.windows[0]
             # a change counts only away from the centre and while the recent level is not back inside
             # (the end rule's half bar): a return from a departure is a change too, not a departure
@@ -277,31 +289,44 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             tests.append((q, zc, config.k_change, end_m, q + p, sd))
     out: list[Stretch] = []
     # Level departures: any test beyond its bar; each stretch ends once the reporting window's level
-    # is back under half its bar for as many steps as the window is long.
+    # is back under half its bar for as many steps as the window is long. Where each test is beyond its
+    # bar, and where each (window, sign) is back inside for a whole window, is found once for the run,
+    # then looked up per stretch (a long noisy run has hundreds of stretches).
+    with quiet():
+        beyond = [np.flatnonzero(np.abs(np.nan_to_num(zz, nan=0.0)) > th) for _, zz, th, _, _, _ in tests]
+    back_inside: dict[tuple[int, int], np.ndarray] = {}
+
+    def first_back(end_m: int, sign: int, bar: float, a: int) -> int | None:
+        """First index >= a where the level of window `end_m` is back inside for `end_m` steps."""
+        if (end_m, sign) not in back_inside:
+            inside = np.nan_to_num(level[end_m] * sign, nan=0.0) < bar / 2
+            c = np.concatenate([[0], np.cumsum(inside)])
+            back_inside[end_m, sign] = np.flatnonzero((c[end_m:] - c[:-end_m]) == end_m)
+        full = back_inside[end_m, sign]
+        j = int(np.searchsorted(full, a))
+        return int(full[j]) if j < len(full) else None
+
     i, last_end = 0, None
     while i < n:
         hit = None
         for ti, (_, zz, th, _, span, _) in enumerate(tests):
             # after a departure, a test counts once its window no longer reaches back into it
             start = i if last_end is None else max(i, last_end + span)
-            idx = np.flatnonzero(np.abs(np.nan_to_num(zz[start:], nan=0.0)) > th)
-            if len(idx) and (hit is None or start + idx[0] < hit[0]):
-                hit = (start + int(idx[0]), ti)
+            j = int(np.searchsorted(beyond[ti], start))
+            if j < len(beyond[ti]) and (hit is None or beyond[ti][j] < hit[0]):
+                hit = (int(beyond[ti][j]), ti)
         if hit is None:
             break
         a, ti = hit
         m, zz, _, end_m, _, sd = tests[ti]
         sign = int(np.sign(zz[a]))
-        lv = level.get(end_m)
         wi = list(config.windows).index(end_m) if end_m in config.windows else 0
         size = float(zz[a] * sd)  # the stretch's size in the compared scale
         onset = max(i, _cusum_onset(r, a, size, lookback=4 * m + config.window))
         bar = noise.threshold[wi]
-        inside = np.nan_to_num(lv[a:] * sign, nan=0.0) < bar / 2
-        c = np.concatenate([[0], np.cumsum(inside)])
-        full = np.flatnonzero((c[end_m:] - c[:-end_m]) == end_m) if len(inside) >= end_m else np.empty(0, int)
-        if len(full):
-            end = max(a + int(full[0]) - 1, a)
+        back = first_back(end_m, sign, bar, a)
+        if back is not None:
+            end = max(back - 1, a)
             out.append(Stretch("level", onset, a, end, sign, m))
             i, last_end = end + 1, end
         else:

@@ -296,8 +296,8 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     first_bad = int(steps[np.flatnonzero(cand_bad)[0]]) if cand_bad.any() else None
     compared = int(np.isfinite(r).sum())
     with quiet():
-        stretches = scan(r, cand_bad, candidate_scale(ct, config.var_window), model.noise, config,
-                         np.abs(np.diff(ct, prepend=np.nan)))
+        cand_scale = candidate_scale(ct, config.var_window)
+        stretches = scan(r, cand_bad, cand_scale, model.noise, config, np.abs(np.diff(ct, prepend=np.nan)))
     deps = []
     center_m = _inverse(model, center_t)
     sigma = model.noise.sigma
@@ -311,7 +311,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                 c_level = float(np.nanmedian(cand[seg]))
                 delta = float(np.nanmedian((cand - center_m)[seg]))
                 if s.kind == "variance":
-                    scale = candidate_scale(ct, config.var_window)[seg]
+                    scale = cand_scale[seg]
                     ref_scale = sigma * np.sqrt(2 * (1 - model.noise.phi))
                     dsig = float(np.nanmedian(scale) / ref_scale) if ref_scale > 0 else float("nan")
                 else:
