@@ -378,6 +378,31 @@ def test_real_loss_is_recorded_where_the_nan_filter_hides_it(uri, tmp_path):
     assert history(client, rid, keys.GRAD_FINITE) == {1: 1.0, 2: 0.0}
 
 
+class NanTermAtStep2(Trainer):
+    """A NaN term with no gradient (detached) added to the loss at step 2: the loss is NaN, the gradients
+    are the finite ones of the plain loss."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss + loss.detach() * float("nan") if self.state.global_step == 1 else loss
+
+
+def test_a_nan_loss_beside_finite_gradients_is_its_own_event_not_a_nan_alert(uri, tmp_path):
+    torch.manual_seed(0)
+    events = tmp_path / "events.jsonl"
+    trainer = NanTermAtStep2(model=LlamaForCausalLM(llama_config()), train_dataset=lm_dataset(8),
+                             args=training_args(tmp_path, per_device_train_batch_size=2, max_steps=3))
+    RldiagCallback(experiment="hf", tracking_uri=uri, policy="raise", alerts_jsonl=events).attach(trainer)
+    trainer.train()  # policy "raise" would stop at a NaN gradient: there is none
+    client, run = the_run(uri)
+    rid = run.info.run_id
+    assert math.isnan(history(client, rid, keys.LOSS)[2])
+    assert history(client, rid, keys.GRAD_FINITE) == {1: 1.0, 2: 1.0, 3: 1.0}
+    assert keys.TAG_ALERT_COUNT not in run.data.tags
+    got = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(e["kind"], e["step"], e["loss"]) for e in got] == [("nonfinite_loss", 2, "nan")]
+
+
 # ---- TRL GRPOTrainer ---------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore:TRL currently supports vLLM versions")
 def test_grpo_metrics_under_trl_names_and_canonical_keys(uri, tmp_path):
