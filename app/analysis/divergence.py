@@ -166,7 +166,7 @@ class Divergence:
     steps_needed: int = DivergenceConfig().min_steps  # the config's min_steps
     alert_step: int | None = None  # when a watcher polling every step first reports the first departure
     departures: tuple[Departure, ...] = field(default=())  # every departure, in order of onset
-    detectable: float = float("nan")  # smallest lasting shift (metric units) the longest window flags
+    detectable: float = float("nan")  # smallest lasting shift (metric units) the longest window that fills flags
     candidate_level: float = float("nan")  # the candidate's median over the first departure, metric units
     reference_level: float = float("nan")  # the reference centre's median over it
 
@@ -200,6 +200,18 @@ class Divergence:
         if self.steps_compared == 0:
             return "not compared (0 steps)"
         return f"not enough steps ({self.steps_compared} compared, {self.steps_needed} needed)"
+
+
+def detectable_text(verdicts: Sequence[Divergence]) -> str:
+    """What "within" verdicts could have missed, the largest per metric: "a lasting shift under 0.05 on
+    loss, 0.3 on reward/mean would not show" ("" when none says)."""
+    worst: dict[str, float] = {}
+    for d in verdicts:
+        if d.status == WITHIN and math.isfinite(d.detectable) and d.detectable > 0:
+            worst[d.key] = max(worst.get(d.key, 0.0), d.detectable)
+    if not worst:
+        return ""
+    return "a lasting shift under " + ", ".join(f"{v:.3g} on {k}" for k, v in worst.items()) + " would not show"
 
 
 def sigma_text(x: float) -> str:
@@ -319,7 +331,10 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
         end = int(steps[s.end]) if s.end is not None else None
         deps.append(Departure(s.kind, int(steps[s.onset]), int(steps[min(s.alert, len(steps) - 1)]), end,
                               c_level, ref_level, delta, dsig))
-    bar = model.noise.threshold[-1] * model.noise.null_sd[-1]
+    # the longest window that can report at this length (60% full), not the longest there is: a
+    # 60-step candidate never fills the 129-step window, so its bar would understate what is missed
+    usable = [i for i, m in enumerate(config.windows) if int(np.ceil(0.6 * m)) <= compared] or [0]
+    bar = model.noise.threshold[usable[-1]] * model.noise.null_sd[usable[-1]]
     with quiet():
         detectable = float(np.nanmedian(np.abs(_inverse(model, center_t + bar) - center_m))) if len(steps) else float("nan")
     if not deps:

@@ -11,7 +11,14 @@ import streamlit as st
 
 from rldiag.app.analysis.causes import RunCauses, likely_causes
 from rldiag.app.analysis.causes_signatures import SIGNATURE_KEYS
-from rldiag.app.analysis.divergence import CandidateSummary, size_text, summarize
+from rldiag.app.analysis.divergence import (
+    NOT_COMPARED,
+    NOT_ENOUGH_STEPS,
+    CandidateSummary,
+    detectable_text,
+    size_text,
+    summarize,
+)
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
 from rldiag.app.dashboard.selection import (
@@ -148,7 +155,9 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
                                alerts=alerts)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
-            st.success(f"No candidate leaves {band} on the metrics shown.", icon=":material/check:")
+            missed = detectable_text([d for s in summaries for d in s.within])  # what "within" could miss
+            st.success(f"No candidate leaves {band} on the metrics shown{f' ({missed})' if missed else ''}.",
+                       icon=":material/check:")
         else:
             _divergence_summary(table, summaries, sel.labels, band, causes)
 
@@ -172,14 +181,23 @@ def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:
     does (non-finite gradients first); the full lines follow the charts."""
     band = f"the band of {n_refs} references" if n_refs > 1 else "the reference"
     leaving = [s for s in summaries if s.nonfinite_steps or s.first is not None]
-    thin = [s for s in summaries if s not in leaving and not s.clean]
+    # no metric compared on enough steps: the comparison cannot tell, which is not "within"
+    cannot = [s for s in summaries if s not in leaving and s.status in (NOT_ENOUGH_STEPS, NOT_COMPARED)]
+    thin = [s for s in summaries if s not in leaving and s not in cannot and not s.clean]
     parts = []
     for s in leaving:
         where = nonfinite_text(s) or f"{s.first.key} from step {s.first.onset_step}"
         parts.append(f"**{escape_md(labels[s.run_id])}**: {escape_md(where)}")
-    head = (f"**{len(leaving)} of {len(summaries)} candidates leave {band}**" if leaving
-            else f"**No candidate leaves {band}**")
-    tail = f"; {len(thin)} with too few steps to tell" if thin else ""
+    missed = detectable_text([d for s in summaries if s not in leaving for d in s.within])
+    if leaving:
+        head = f"**{len(leaving)} of {len(summaries)} candidates leave {band}**"
+    elif len(cannot) == len(summaries):
+        needed = summaries[0].steps_needed if summaries else 0
+        head = f"**Cannot tell whether a candidate leaves {band}**: too few compared steps ({needed} needed)"
+    else:
+        head = f"**No candidate leaves {band}**" + (f" ({escape_md(missed)})" if missed else "")
+    tail = ((f"; **{len(cannot)} of {len(summaries)} cannot tell** (too few steps)" if cannot and len(cannot) < len(summaries)
+             else "") + (f"; {len(thin)} with too few steps on some metrics" if thin else ""))
     return head + (" — " + "; ".join(parts) if parts else "") + tail + ". Each candidate in full below the charts."
 
 
