@@ -25,6 +25,7 @@ from rldiag.app.analysis.divergence import (
     Divergence,
     DivergenceConfig,
     compare_runs,
+    detectable_text,
     divergence_frame,
     size_text,
     summarize,
@@ -262,7 +263,8 @@ def evidence_parts(s: CandidateSummary) -> list[str]:
     parts = []
     if not s.departures and s.within:
         lead = "no departure on" if s.nonfinite_steps else "stays within the reference band on"
-        parts.append(f"{lead} {_plural(len(s.within), 'metric')} compared")
+        missed = detectable_text(s.within)  # what "within" could have missed
+        parts.append(f"{lead} {_plural(len(s.within), 'metric')} compared" + (f" ({missed})" if missed else ""))
     if s.thin:
         n = sorted(d.steps_compared for d in s.thin)
         shown = str(n[0]) if n[0] == n[-1] else f"{n[0]}-{n[-1]}"

@@ -71,3 +71,6 @@ def test_no_departure_says_what_it_could_have_missed_and_too_few_steps_cannot_te
     glance = _glance(at)
     assert glance.startswith(f"No candidate leaves the reference ({missed}); 1 of 2 cannot tell (too few steps)"), glance
     assert not at.success
+    # the seed's own line below the charts (the report's words, rldiag.app.report.content) says it too
+    [lines] = [unescape_md(m.value) for m in at.markdown if m.value.startswith("- **")]
+    assert f"- **seed**: stays within the reference band on 2 metrics compared ({missed})" in lines, lines
