@@ -9,7 +9,7 @@ from dataclasses import replace
 import pandas as pd
 import streamlit as st
 
-from rldiag.app.analysis.causes import RunCauses, likely_causes
+from rldiag.app.analysis.causes import RunCauses
 from rldiag.app.analysis.causes_signatures import SIGNATURE_KEYS
 from rldiag.app.analysis.divergence import (
     NOT_COMPARED,
@@ -17,7 +17,6 @@ from rldiag.app.analysis.divergence import (
     CandidateSummary,
     detectable_text,
     size_text,
-    summarize,
 )
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
@@ -147,12 +146,11 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         st.info("Pick candidate runs in the sidebar to compare them with the reference.")
     else:
         table = data.divergence_rows(divs, sel.labels)
-        summaries = summarize(divs, h, refs, cands, metric_keys)
+        summaries = data.summaries(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys), divs)
         # the signatures' own metrics (the signed mismatch kl_new_old_k1 among them), whatever the page charts
-        sig_h = data.histories(sel.uri, tuple(refs + cands), SIGNATURE_KEYS).histories
-        alerts = data.alert_events(sel.uri, tuple(cands), data.runs_version(sel.runs, cands))
-        causes = likely_causes(sig_h, data.configs(sel.uri, tuple(refs + cands)), refs, cands, summaries=summaries,
-                               alerts=alerts)
+        sig = data.histories(sel.uri, tuple(refs + cands), SIGNATURE_KEYS)
+        causes = data.causes(sel.uri, loaded.stamp, sig, tuple(refs), tuple(cands), data.runs_version(sel.runs, cands),
+                             summaries)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
             missed = detectable_text([d for s in summaries for d in s.within])  # what "within" could miss

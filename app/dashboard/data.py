@@ -7,6 +7,7 @@ Every loader takes the tracking URI (a string) first so that Streamlit's caches 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -19,8 +20,9 @@ import pandas as pd
 import plotly.io
 import streamlit as st
 
+from rldiag.app.analysis.causes import RunCauses, likely_causes
 from rldiag.app.analysis.config_diff import RunConfig, config_diff, load_configs
-from rldiag.app.analysis.divergence import Divergence, DivergenceConfig, compare_runs
+from rldiag.app.analysis.divergence import CandidateSummary, Divergence, DivergenceConfig, compare_runs, summarize
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.disk_cache import DiskCache
 from rldiag.app.data.histories import Histories, load_histories
@@ -225,6 +227,34 @@ def divergences(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], can
     config = DivergenceConfig.from_env()
     return _persisted("divergence", (stamp, reference_ids, candidate_ids, metric_keys, repr(config)),
                       lambda: compare_runs(_h, reference_ids, candidate_ids, metric_keys, config))
+
+
+@st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
+def summaries(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
+              metric_keys: tuple[str, ...], _divergences: Mapping[str, Mapping[str, Divergence]]
+              ) -> list[CandidateSummary]:
+    """`summarize` of `divergences(stamp, ...)` (the same arguments), kept until new rows arrive, and on disk."""
+    key = (stamp, reference_ids, candidate_ids, metric_keys, repr(DivergenceConfig.from_env()))
+    return _persisted("summaries", key, lambda: summarize(_divergences, _h, reference_ids, candidate_ids, metric_keys))
+
+
+def causes(uri: str, stamp: tuple, signature: Loaded, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
+           version: tuple, found: list[CandidateSummary]) -> list[RunCauses]:
+    """`likely_causes` of the candidates: from the signature metrics (`signature`, SIGNATURE_KEYS loaded
+    with `histories`), the runs' params and tags, their alerts (`version`: `runs_version`) and the
+    detector's `found` (`summaries(stamp, ...)`); kept until any of those changes, and on disk."""
+    cfgs = configs(uri, reference_ids + candidate_ids)
+    alerts = alert_events(uri, candidate_ids, version)
+    inputs = hashlib.sha256(repr((sorted((r, sorted(c.params.items()), sorted(c.tags.items())) for r, c in cfgs.items()),
+                                  alerts)).encode()).hexdigest()
+    key = (stamp, signature.stamp, reference_ids, candidate_ids, inputs, repr(DivergenceConfig.from_env()))
+    return _causes(key, signature.histories, cfgs, alerts, found)
+
+
+@st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
+def _causes(key: tuple, _h: Histories, _cfgs, _alerts, _found) -> list[RunCauses]:
+    refs, cands = list(key[2]), list(key[3])
+    return _persisted("causes", key, lambda: likely_causes(_h, _cfgs, refs, cands, summaries=_found, alerts=_alerts))
 
 
 @st.cache_data(ttl=3600, max_entries=256, show_spinner=False)
