@@ -142,7 +142,10 @@ def grad_norm_stats(grads: list[Tensor], device: torch.device | None = None) -> 
         dev = device if device is not None else torch.device("cpu")
         return torch.zeros(1, dtype=host_dtype(dev), device=dev)
     device = grads[0].device
-    per = torch.stack([n.to(device) for n in foreach_norm_f32(grads)])
+    norms = foreach_norm_f32(grads)
+    if any(n.device != device for n in norms):  # parameters on several devices (a model split by hand)
+        norms = [n.to(device) for n in norms]
+    per = torch.stack(norms)
     # the total in the host dtype: float32 norms of finite tensors can add up past float32's range
     total = torch.linalg.vector_norm(per.to(host_dtype(device))).reshape(1)
     return torch.cat([total, per.to(total.dtype)])
@@ -206,7 +209,7 @@ def _entries(named) -> list[GradEntry]:
 
 
 def _isfinite(v: float) -> bool:
-    return v == v and v not in (float("inf"), float("-inf"))
+    return math.isfinite(v)
 
 
 @dataclass

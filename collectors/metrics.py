@@ -360,6 +360,11 @@ def pack(values: Mapping[str, Tensor | float | int], *, device: torch.device | s
         device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
     device = torch.device(device)
     dtype = host_dtype(device)
+    vs = list(values.values())
+    if vs and all(isinstance(v, Tensor) and v.dim() == 0 and v.dtype == vs[0].dtype and v.device == device
+                  for v in vs):  # the usual step (0-d metrics of one dtype): one stack, not a copy per value
+        with torch.no_grad():
+            return torch.stack(vs).to(dtype)
     parts = []
     for k, v in values.items():
         if isinstance(v, torch.Tensor):
