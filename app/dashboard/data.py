@@ -40,6 +40,7 @@ CONFIG_TTL_S = 30
 HISTORY_ENTRIES = 4  # selections whose histories stay in memory (10 runs x 8 x 100k points: ~200 MB each)
 IDLE_RELOAD_S = 300  # finished runs: check for new rows at most this often (a resumed run)
 ALERTS_LIVE_S = 10  # alert events of a RUNNING run: read again at most this often
+ENDED = ("FINISHED", "FAILED", "KILLED")
 
 log = logging.getLogger("rldiag.app")
 
@@ -98,9 +99,14 @@ def runs_version(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> tuple:
 
 @st.cache_data(ttl=3600, max_entries=32, show_spinner=False)
 def alert_events(uri: str, run_ids: tuple[str, ...], version: tuple = ()) -> dict[str, list[dict]]:
-    """The runs' alert events (`rldiag.app.data.alerts`), kept while `version` (`runs_version`) holds."""
-    tags = {r: c.tags for r, c in configs(uri, run_ids).items()}
-    return load_alert_events(get_store(uri), run_ids, tags=tags)
+    """The runs' alert events (`rldiag.app.data.alerts`), kept while `version` (`runs_version`) holds;
+    on disk too once every run has ended (their alerts file is uploaded at the end and stays as it is)."""
+    def load() -> dict[str, list[dict]]:
+        tags = {r: c.tags for r, c in configs(uri, run_ids).items()}
+        return load_alert_events(get_store(uri), run_ids, tags=tags)
+
+    ended = bool(version) and all(isinstance(v, tuple) and v[1] in ENDED for v in version)
+    return _persisted("alerts", (uri, run_ids, version), load) if ended else load()
 
 
 # ---- histories: kept per selection, refreshed incrementally ---------------------------------------

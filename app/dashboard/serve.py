@@ -33,7 +33,19 @@ def warm() -> None:
         log.debug("rldiag: warming the dashboard failed (%s: %s)", type(e).__name__, e)
 
 
+def _skip_direct_execution_check() -> None:
+    """Streamlit checks, on the first element a process draws, whether it runs in a REPL or outside
+    `streamlit run`, to print a warning: `inspect.stack()` over every module, 0.8 s of the first page
+    load here. This process is `streamlit run`, so the check is marked done (a private flag: if a
+    Streamlit release drops it, the check just runs)."""
+    import streamlit.delta_generator as dg
+
+    if hasattr(dg, "_use_warning_has_been_displayed"):
+        dg._use_warning_has_been_displayed = True
+
+
 def main(argv: list[str] | None = None) -> int:
+    _skip_direct_execution_check()
     threading.Thread(target=warm, name="rldiag-warm", daemon=True).start()
     from streamlit.web import cli
 

@@ -176,3 +176,17 @@ def test_least_recently_used_entries_go_beyond_the_size_cap(tmp_path):
 def test_off_means_no_cache(monkeypatch):
     monkeypatch.setenv("RLDIAG_CACHE_DIR", "off")
     assert DiskCache.from_env() is None
+
+
+def test_alert_events_are_kept_on_disk_only_once_every_run_has_ended():
+    """A RUNNING run can still alert: its version carries the clock, so its events are read again
+    every ALERTS_LIVE_S and never taken from disk; ended runs' versions are their status and end time."""
+    import pandas as pd
+
+    from rldiag.app.dashboard.data import runs_version
+
+    df = pd.DataFrame({"run_id": ["a", "b"], "status": ["FINISHED", "RUNNING"], "end_time": [1_700_000_000_000, None]})
+    live = runs_version(df, ["a", "b"])
+    assert isinstance(live[-1], int)
+    assert runs_version(df, ["a"]) == (("a", "FINISHED", str(df.end_time[0])),)  # no clock: kept
+    assert isinstance(runs_version(df, ["a", "gone"])[-1], int)  # a run the list does not hold: not known to have ended
