@@ -379,8 +379,8 @@ def loop(watcher: Watcher, interval: float, stop: threading.Event, *, once: bool
             log.debug("rldiag watch: cycle %.3f s, %d runs, %d rows, %d alerts", res.seconds, res.runs, res.fetched,
                       res.alerts)
             if once:
-                log.info("rldiag watch: one cycle: %d run(s) read, %d new alert(s), %d rows, %.2f s", res.runs,
-                         res.alerts, res.fetched, res.seconds)
+                log.info("rldiag watch: one cycle: %d run(s) read, %d new alert(s), %d scaler-overflow note(s) (no "
+                         "alert), %d rows, %.2f s", res.runs, res.alerts, res.notes, res.fetched, res.seconds)
                 if res.skipped:
                     log.info("rldiag watch: %d run(s) skipped: they ended before this watcher's window (%d s "
                              "before its first poll); --all reads finished runs too", res.skipped,
