@@ -19,7 +19,8 @@ from rldiag.app.data.runs import run_labels
 from rldiag.app.errors import NoRunsFound
 
 ALL_RUNS = "(all runs)"
-MAX_DEFAULT_CANDIDATES = 9  # untagged runs: the newest ones, so that a first load stays quick
+MAX_DEFAULT_CANDIDATES = 9  # picked by default: the newest ones, so that a first load stays quick
+MAX_DEFAULT_REFERENCES = 8  # a band of seeds; more add little and cost a load each
 _STATE = "sidebar.selection"
 
 
@@ -62,13 +63,26 @@ def default_group(runs: pd.DataFrame) -> str:
 
 def default_picks(runs: pd.DataFrame) -> tuple[list[str], list[str]]:
     """References and candidates from `rldiag.role`; without roles the oldest run is the reference and
-    the newest others (at most MAX_DEFAULT_CANDIDATES) are candidates."""
+    the newest others are candidates. At most MAX_DEFAULT_REFERENCES and MAX_DEFAULT_CANDIDATES, the
+    newest (`runs` is newest first): a group of 100 runs opens on a page that loads in seconds, and the
+    others are a pick away (`capped_text` says how many)."""
     refs = runs.loc[runs["role"] == "reference", "run_id"].tolist()
     cands = runs.loc[runs["role"] == "candidate", "run_id"].tolist()
     if refs or cands:
-        return refs, cands
+        return refs[:MAX_DEFAULT_REFERENCES], cands[:MAX_DEFAULT_CANDIDATES]
     ids = runs["run_id"].tolist()  # newest first
     return ids[-1:], ids[:-1][:MAX_DEFAULT_CANDIDATES]
+
+
+def capped_text(runs: pd.DataFrame) -> str | None:
+    """What `default_picks` left out of `runs`, as a line for the sidebar (None: nothing)."""
+    refs, cands = default_picks(runs)
+    tagged = runs["role"].isin(["reference", "candidate"]).any()
+    n_refs = int((runs["role"] == "reference").sum()) if tagged else min(len(runs), 1)
+    n_cands = int((runs["role"] == "candidate").sum()) if tagged else max(len(runs) - 1, 0)
+    parts = [f"the newest {len(picked)} of {n} {what}" for picked, n, what in
+             ((refs, n_refs, "references"), (cands, n_cands, "candidates")) if len(picked) < n]
+    return f"Picked {' and '.join(parts)} of this group; add others in the lists above." if parts else None
 
 
 def current() -> Selection:
@@ -107,6 +121,8 @@ def _pick_runs(uri: str, experiment: str, runs: pd.DataFrame, labels: dict[str, 
     cand_ids = [r for r in ids if r not in refs]
     st.session_state["sidebar.candidates"] = [r for r in st.session_state["sidebar.candidates"] if r in cand_ids]
     cands = st.sidebar.multiselect("Candidate run(s)", cand_ids, format_func=fmt, key="sidebar.candidates")
+    if (capped := capped_text(shown)) is not None:
+        st.sidebar.caption(capped)
     return refs, cands
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 
 import numpy as np
+import pytest
 
 from rldiag.app.dashboard import chart_grid, data
 from rldiag.app.dashboard.selection import ALL_RUNS
@@ -297,3 +298,25 @@ def test_a_run_keeps_its_colour_when_the_picked_runs_change(dash_store, monkeypa
     at.multiselect(key="sidebar.candidates").set_value([dash_store.ids["v1 shifted"]]).run()
     two = {t["name"]: t["line"]["color"] for t in figures(at)[keys.RATIO_MEAN] if t.get("mode") == "lines"}
     assert set(two) == {"v0 ref", "v1 shifted"} and two == {n: six[n] for n in two}
+
+
+@pytest.mark.slow
+def test_a_group_of_a_hundred_runs_opens_on_the_newest_picks_and_offers_the_rest(store_uri, monkeypatch):
+    """100 tagged runs in one group (4 references, 96 candidates): the page opens on the references
+    and the 9 newest candidates (a first load of 100 runs x 10 metrics would take minutes), says so in
+    the sidebar, and every run stays a pick away."""
+    name_of = {}
+    for i in range(100):
+        role = "reference" if i < 4 else "candidate"
+        rid = write_run(store_uri, experiment="sweep", name=f"{role[:3]}-{i:03d}",
+                        tags={keys.TAG_GROUP: "g", keys.TAG_ROLE: role, keys.TAG_SEED: str(i)},
+                        steps=[(s, {keys.RATIO_MEAN: 1.0 + 0.001 * i}) for s in range(3)])
+        name_of[rid] = f"{role[:3]}-{i:03d}"
+    at = app(store_uri, monkeypatch, "compare")
+    refs = sorted(name_of[r] for r in at.session_state["sidebar.reference"])
+    cands = sorted(name_of[r] for r in at.session_state["sidebar.candidates"])
+    assert refs == ["ref-000", "ref-001", "ref-002", "ref-003"]
+    assert cands == [f"can-{i:03d}" for i in range(91, 100)]  # the 9 started last
+    assert len(at.multiselect(key="sidebar.candidates").options) == 96  # the rest stay in the list
+    captions = [c.value for c in at.sidebar.caption]
+    assert any("the newest 9 of 96 candidates" in c for c in captions), captions
