@@ -26,8 +26,9 @@ the store while the backlog drains (it waits only for the writer's ingest queue,
 slower than ingest would), and back at the store's pace once it has drained. Then the writer flushes
 and closes. Measured: points the store took, distinct and duplicated (a bitmap of (step, key)), of
 points logged; peak backlog; journal bytes beside the backlog at each sample (the goal: journal at
-most the backlog's own journal lines plus one segment); writer peak RSS (goal < 200 MB) with a sample
-every 5 s; the log call.
+most the backlog's own journal lines plus one segment, see ENVELOPE); writer peak RSS (goal < 200 MB)
+with a sample every 5 s; the log call (during the outage each call follows a sleep of the pacing, so
+it runs cold: its median is several times the unpaced one).
 
 The store is a null one, named as such: it takes a call at once, so that what is measured is the
 journal and the writer alone (a real SQLite store takes ~50k points/s on 2 cores: 1 M steps would take
@@ -59,6 +60,10 @@ KEYS = [f"train/metric_{i:02d}" for i in range(50)]
 KEY_INDEX = {k: i for i, k in enumerate(KEYS)}
 REPO = Path(__file__).resolve().parent.parent
 SEGMENT = 4 << 20  # collectors/journal.py's SEGMENT_BYTES (not imported: "before" has none)
+# The backlog's own journal lines are estimated as points x one step's bytes a point; the batch lines'
+# envelopes ({"seq":N,"n":K,"m":[...]}) and ack lines add ~38 bytes a batch of 800-1000 points (< 0.1%),
+# and values' lengths vary from step to step: the goal allows 0.2% of the journal on top of one segment.
+ENVELOPE = 0.002
 
 
 def _load_before(code_dir: Path) -> None:
@@ -327,8 +332,8 @@ def summary_rows(runs: dict) -> list[dict]:
                         "-", "undelivered + one segment", r["journal_peak_bytes"] <= r["journal_end_bytes"] + SEGMENT + 1e5),
             summary_row(f"writer over {s} steps: peak RSS; log call median / p99 / max",
                         f"{r['rss_peak_mb']:.0f} MB; {_us(r['log_call'])}",
-                        f"{cmp_['steps']} steps: {cmp_['after']['run']['rss_peak_mb']:.0f} MB; "
-                        f"{_us(cmp_['after']['run']['log_call'])}" if cmp_ else "-",
+                        f"before, {cmp_['steps']} steps: {cmp_['before']['run']['rss_peak_mb']:.0f} MB; "
+                        f"{_us(cmp_['before']['run']['log_call'])}" if cmp_ else "-",
                         "-", "RSS < 200 MB; log call unchanged", r["rss_peak_mb"] < 200),
             summary_row(f"restart replay at {s} steps (RSS growth, time)",
                         f"{rs['rss_peak_mb'] - rs['rss_start_mb']:.0f} MB, {rs['seconds']:.1f} s "
@@ -347,7 +352,8 @@ def summary_rows(runs: dict) -> list[dict]:
                         f"{_mb(out['journal_peak_bytes'])} at a backlog of {out['backlog_at_journal_peak']:,} points; "
                         f"{out['rss_peak_mb']:.0f} MB; {_us(out['log_call'])}", "-", "-",
                         "journal <= backlog + one segment; RSS < 200 MB",
-                        out["journal_excess_max_bytes"] <= SEGMENT + (64 << 10) and out["rss_peak_mb"] < 200),
+                        out["journal_excess_max_bytes"] <= SEGMENT + ENVELOPE * out["journal_peak_bytes"]
+                        and out["rss_peak_mb"] < 200),
         ]
     return rows
 
