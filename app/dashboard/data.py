@@ -91,9 +91,11 @@ def configs(uri: str, run_ids: tuple[str, ...]) -> dict[str, RunConfig]:
 def runs_version(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> tuple:
     """What changes when the runs' alert events can have changed: each run's status and end time, and,
     while one is RUNNING, the clock in ALERTS_LIVE_S steps (finished runs are read once)."""
-    picked = runs_df[runs_df.run_id.isin(run_ids)]
-    version = tuple(sorted((r.run_id, r.status, str(r.end_time)) for r in picked.itertuples()))
-    running = (picked.status == "RUNNING").any() or len(picked) < len(set(run_ids))
+    wanted = set(run_ids)
+    rows = [(r, s, str(e)) for r, s, e in zip(runs_df.run_id.tolist(), runs_df.status.tolist(), runs_df.end_time.tolist())
+            if r in wanted]  # plain lists: a pandas comparison on Arrow strings costs 14 ms a column here
+    version = tuple(sorted(rows))
+    running = any(s == "RUNNING" for _, s, _ in rows) or len(rows) < len(wanted)
     return version + ((int(time.time() // ALERTS_LIVE_S),) if running else ())
 
 
