@@ -9,9 +9,13 @@ processes, each a `MetricWriter` over REST logging `--metrics` keys a step at `-
 by the clock, for `--seconds`. Halfway through, the server's process group is SIGKILLed and started
 again `--down-s` later (its start-up adds to the outage). Each child then closes (waits up to
 `--close-timeout` s) and reports its own figures: peak backlog (points waiting, in memory or in the
-journal), peak RSS, the log call. Counted in PostgreSQL afterwards: lost = expected (key, step) pairs
-missing, duplicated = rows beyond one per (key, step); the rate the server sustained = points stored
-over the time from the first step to the last writer's close, less the outage.
+journal), peak RSS, the log call. Counted afterwards, per (key, step) pair, in PostgreSQL and in what
+is left in the writers' journals (read back as `rldiag sync` would): stored; not yet delivered = in a
+journal and not stored (a close that timed out leaves them there, for the next start of the run or
+`rldiag sync`); lost = expected and in neither; duplicated = rows beyond one per (key, step). The rate
+the server sustained = points stored over the time from the first step to the last writer's close,
+less the outage. When the server cannot keep up with what is offered, the close timeout decides how
+much is stored and how much waits in the journals; neither is lost.
 """
 
 from __future__ import annotations
@@ -83,14 +87,45 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def count_rows(dsn: str, run_ids: list[str]) -> dict[str, tuple[int, int]]:
-    """Rows and distinct (key, step) pairs per run, read straight from PostgreSQL."""
+def _key_no(key: str, n_keys: int) -> int:
+    """The writers' key `team/mNN` -> NN; -1 for any other key."""
+    tail = key.removeprefix("team/m")
+    return int(tail) if tail != key and tail.isdigit() and int(tail) < n_keys else -1
+
+
+def stored_pairs(dsn: str, run_id: str, n_keys: int, steps: int):
+    """(rows, a [n_keys, steps] bool array of the (key, step) pairs stored) of a run, read from PostgreSQL."""
+    import numpy as np
     import psycopg2
 
+    seen = np.zeros((n_keys, steps), bool)
     with psycopg2.connect(dsn) as con, con.cursor() as cur:
-        cur.execute("SELECT run_uuid, COUNT(*), COUNT(DISTINCT (key, step)) FROM metrics WHERE run_uuid = ANY(%s) "
-                    "GROUP BY run_uuid", (run_ids,))
-        return {r: (int(n), int(d)) for r, n, d in cur.fetchall()}
+        cur.execute("SELECT key, step FROM metrics WHERE run_uuid = %s", (run_id,))
+        rows = cur.fetchall()
+    for key, step in rows:
+        k = _key_no(key, n_keys)
+        if k >= 0 and 0 <= step < steps:
+            seen[k, step] = True
+    return len(rows), seen
+
+
+def journal_pairs(spill: Path, run_id: str, n_keys: int, steps: int):
+    """A [n_keys, steps] bool array of the (key, step) pairs still undelivered in the run's journals
+    (every stem of the run: `<run_id>`, `<run_id>-2`, ...), read batch by batch."""
+    import numpy as np
+
+    from rldiag.collectors.journal_read import iter_pending, journal_stems, scan_journal
+
+    left = np.zeros((n_keys, steps), bool)
+    for stem in journal_stems(spill):
+        if stem != run_id and not stem.startswith(run_id + "-"):
+            continue
+        for b in iter_pending(scan_journal(spill, stem)):
+            for key, _v, _ts, step in (b.metrics if b is not None else ()):
+                k = _key_no(key, n_keys)
+                if k >= 0 and 0 <= step < steps:
+                    left[k, step] = True
+    return left
 
 
 def run_load(*, writers: int, metrics: int, rate: float, seconds: float, down_s: float, close_timeout: float,
@@ -126,14 +161,20 @@ def run_load(*, writers: int, metrics: int, rate: float, seconds: float, down_s:
                     raise SystemExit(f"a writer failed ({p.returncode}): {err[-2000:]}")
                 outs.append(json.loads(lines[-1]))
             wall = time.monotonic() - t0
-            counts = count_rows(pg.dsn_for(pg.database), [o["run_id"] for o in outs])
+            for o in outs:  # each (key, step): stored, still in a journal, or neither
+                rows, stored = stored_pairs(pg.dsn_for(pg.database), o["run_id"], metrics, o["steps"])
+                left = journal_pairs(root / "spill", o["run_id"], metrics, o["steps"])
+                o.update({"rows": rows, "stored_distinct": int(stored.sum()),
+                          "not_yet_delivered": int((left & ~stored).sum()),
+                          "lost": int((~stored & ~left).sum())})
     finally:
         shutil.rmtree(root, ignore_errors=True)
     expected = sum(o["points"] for o in outs)
-    stored = sum(counts.get(o["run_id"], (0, 0))[1] for o in outs)
-    rows = sum(counts.get(o["run_id"], (0, 0))[0] for o in outs)
-    return {"writers": outs, "expected": expected, "stored_distinct": stored, "lost": expected - stored,
-            "duplicated": rows - stored, "wall_s": wall, "outage_s": outage_s, "server_restart_s": restart_s,
+    stored = sum(o["stored_distinct"] for o in outs)
+    return {"writers": outs, "expected": expected, "stored_distinct": stored,
+            "not_yet_delivered": sum(o["not_yet_delivered"] for o in outs), "lost": sum(o["lost"] for o in outs),
+            "duplicated": sum(o["rows"] for o in outs) - stored, "close_timeout_s": close_timeout,
+            "wall_s": wall, "outage_s": outage_s, "server_restart_s": restart_s,
             "offered_points_per_s": writers * metrics * rate,
             # over the time the server was up: from the first step to the last close, less the outage
             "sustained_points_per_s": stored / max(1e-9, max(o["closed_s"] for o in outs) - outage_s)}
@@ -158,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     what = f"{args.writers} writers x {args.metrics} metrics x {args.rate:g} steps/s, {args.seconds:g} s"
     r.update({"env": env_info(), "quick": args.quick, "args": vars(args), "summary": [
         summary_row(f"team load ({what}), server killed {r['outage_s']:.0f} s: lost / duplicated",
-                    f"{r['lost']} lost, {r['duplicated']} dup of {r['expected']}", "-", "-", "0 lost, 0 duplicated",
-                    r["lost"] == 0 and r["duplicated"] == 0),
+                    f"{r['lost']} lost, {r['duplicated']} dup of {r['expected']}"
+                    + (f"; {r['not_yet_delivered']} not yet delivered (in the journals after a "
+                       f"{args.close_timeout:g} s close timeout)" if r["not_yet_delivered"] else ""),
+                    "-", "-", "0 lost, 0 duplicated", r["lost"] == 0 and r["duplicated"] == 0),
         summary_row("team load: rate the PostgreSQL-backed server sustained (2 workers)",
                     f"{r['sustained_points_per_s']:.0f} points/s (offered {r['offered_points_per_s']:.0f})",
                     "-", "-", "-", None),
