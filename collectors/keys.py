@@ -54,6 +54,10 @@ GRAD_LOSS_SCALE = "grad/loss_scale"
 GRAD_SCALER_OVERFLOW = "grad/scaler_overflow"
 
 LOSS = "loss"
+# The unfiltered loss where rldiag logs into a trainer's own run (transformers' MLflowCallback): that run's
+# LOSS is the trainer's, cleaned of NaN/inf by logging_nan_inf_filter. Never aliased to LOSS (the canonical,
+# filtered one would win); the read side checks both for a non-finite loss. Not canonical.
+LOSS_UNFILTERED = "rldiag/loss"
 
 # --- batch sizes (the weights that reduce token/sequence means across ranks) -----------------------
 BATCH_TOKENS = "batch/valid_tokens"

@@ -104,27 +104,31 @@ class NonFiniteLoss:
         return f"loss {self.kind()} at {where}; no gradient check was logged at these steps (unknown, not finite)"
 
 
+LOSS_KEYS = (keys.LOSS, keys.LOSS_UNFILTERED)  # the unfiltered one where rldiag logs into a trainer's run
+
+
 def nonfinite_loss(h: Histories | None, run_id: str) -> NonFiniteLoss | None:
-    """The run's non-finite `loss` steps that are no NaN-gradient step (those the NaN events show already),
-    or None."""
-    t = h.get(run_id, keys.LOSS) if h is not None else None
-    if t is None:
-        return None
-    bad = ~np.isfinite(t.values)
-    if not bad.any():
+    """The run's non-finite loss steps (`loss`, or rldiag's unfiltered `rldiag/loss` beside a trainer's
+    filtered one) that are no NaN-gradient step (those the NaN events show already), or None."""
+    found: dict[int, float] = {}
+    for key in LOSS_KEYS:
+        t = h.get(run_id, key) if h is not None else None
+        if t is not None:
+            bad = ~np.isfinite(t.values)
+            for s, v in zip(t.steps[bad].tolist(), t.values[bad].tolist()):
+                found.setdefault(int(s), float(v))
+    if not found:
         return None
     grad_bad = {b.step for b in bad_steps(h, run_id)}
-    keep = [i for i in np.flatnonzero(bad).tolist() if int(t.steps[i]) not in grad_bad]
-    if not keep:
+    steps = [s for s in sorted(found) if s not in grad_bad]
+    if not steps:
         return None
-    steps = [int(t.steps[i]) for i in keep]
     checked = set()
     for k in (keys.GRAD_FINITE, keys.GRAD_NORM):  # any logged gradient check at the step (none is bad there)
         g = h.get(run_id, k)
         if g is not None:
             checked |= set(g.steps.tolist())
-    return NonFiniteLoss(run_id, tuple(steps), tuple(float(t.values[i]) for i in keep),
-                         all(s in checked for s in steps))
+    return NonFiniteLoss(run_id, tuple(steps), tuple(found[s] for s in steps), all(s in checked for s in steps))
 
 
 def step_event_lines(h: Histories | None, run_ids, labels: dict[str, str]) -> tuple[list[str], list[str]]:

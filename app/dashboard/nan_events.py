@@ -22,8 +22,8 @@ from rldiag.app.report.nan_episodes import Episode, nan_episodes, origin_text
 from rldiag.collectors import keys
 
 # the fp16 scaler's keys: its overflows are said apart from the NaN steps (rldiag.app.analysis.step_events)
-GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.GRAD_FOUND, keys.LOSS, keys.GRAD_SCALER_OVERFLOW,
-             keys.GRAD_LOSS_SCALE)
+GRAD_KEYS = (keys.GRAD_FINITE, keys.GRAD_NORM, keys.GRAD_FOUND, keys.LOSS, keys.LOSS_UNFILTERED,
+             keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE)
 MAX_EXPANDERS = 50  # episodes with their per-step detail; the rest are in the table only
 MAX_STATIC_ROWS = 200  # a per-step detail longer than this is a (scrolling) data grid
 

@@ -49,8 +49,8 @@ log = logging.getLogger("rldiag.watch")
 
 # canonical; aliases come from keys.ALIASES. The loss tells a NaN's likely cause (finite loss, NaN gradients).
 # The fp16 scaler's keys tell its overflows (told, never alerted) from NaN gradients.
-WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, keys.GRAD_SCALER_OVERFLOW,
-                               keys.GRAD_LOSS_SCALE)
+WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, keys.LOSS_UNFILTERED,
+                               keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE)
 ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
 DEFAULT_INTERVAL = 30.0
 

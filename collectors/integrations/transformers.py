@@ -75,7 +75,7 @@ __all__ = ["LOGGED_LOSS", "RldiagCallback", "trainer_params"]
 # window-averaged) `loss` becomes `trainer/loss` once the real per-step loss owns `loss`.
 TRAINER_PREFIX = "trainer/"
 LOGGED_LOSS = TRAINER_PREFIX + keys.LOSS
-REAL_LOSS = "rldiag/loss"  # the unfiltered per-step loss, in the trainer's own run (whose `loss` is filtered)
+REAL_LOSS = keys.LOSS_UNFILTERED  # the unfiltered per-step loss, in the trainer's own run (whose `loss` is filtered)
 PARAM_PREFIX = "trainer"
 
 # TrainingArguments / TRL config fields that change results; read when present. Whitelisted, so no

@@ -501,6 +501,25 @@ def test_stock_script_with_report_to_mlflow_makes_one_run(uri, tmp_path, monkeyp
     assert run.data.params["trainer.per_device_train_batch_size"] == "2"
 
 
+def test_a_nan_loss_the_trainers_filter_hides_is_seen_by_the_watcher(uri, tmp_path, monkeypatch):
+    """In the trainer's own run (report_to="mlflow") `loss` is the filtered one; the watcher reads rldiag's
+    unfiltered loss beside it: a nonfinite_loss alert at the step, not a NaN-gradient one."""
+    from rldiag.app.watch.loop import watch_once
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "stock")
+    torch.manual_seed(0)
+    args = training_args(tmp_path, per_device_train_batch_size=2, max_steps=3, report_to="mlflow", run_name="stock-nan")
+    trainer = NanTermAtStep2(model=LlamaForCausalLM(llama_config()), args=args, train_dataset=lm_dataset(8))
+    RldiagCallback(tracking_uri=uri).attach(trainer)
+    trainer.train()
+    client, run = the_run(uri)
+    rid = run.info.run_id
+    assert math.isfinite(history(client, rid, keys.LOSS)[2]) and math.isnan(history(client, rid, REAL_LOSS)[2])
+    _, events = watch_once(uri)
+    assert [(e["kind"], e["step"], e["grads_checked"]) for e in events] == [("nonfinite_loss", 2, True)]
+
+
 def test_callback_in_callbacks_list_honours_run_name_and_experiment_env(uri, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
     args = training_args(tmp_path, per_device_train_batch_size=2, max_steps=2, run_name="named-run")
