@@ -62,8 +62,10 @@ examples:
   rldiag watch --once                            one poll cycle (cron); exit 1 if it sent alerts
 
 A step is non-finite when grad/finite is 0, or grad/norm (or grad_norm, actor/grad_norm, ...) is NaN
-or inf (MLflow stores inf as 1.797e308; read back as inf). The state file remembers what was already
-alerted, so a restarted watcher neither repeats nor misses an event.
+or inf (MLflow stores inf as 1.797e308; read back as inf). A NaN/inf loss beside finite gradients is an
+alert of its own kind (nonfinite_loss); fp16 scaler overflows (grad/scaler_overflow) are told, never
+alerted. The state file remembers what was already alerted, so a restarted watcher neither repeats nor
+misses an event.
 """
 
 
