@@ -1,8 +1,11 @@
 """Divergence quality on labelled RL-like comparisons: false alarms, misses, time to alert (online) and
 onset error, per change kind, vs a fixed threshold.
 
-    python -m bench.divergence_quality            # 40 comparisons per change kind, about 3 minutes
+    python -m bench.divergence_quality            # 40 comparisons per change kind and 80 held out, ~2 minutes
     python -m bench.divergence_quality --quick    # 10 per kind
+    python -m bench.divergence_quality --held-out 0   # without the 80 held-out seeds per kind
+    python -m bench.divergence_quality --detector var_persist=12       # other detector options
+    python -m bench.divergence_quality --held-out-from 120             # other held-out seeds
 
 The set is `bench.divergence_rl` (AR(1) noise to phi 0.85, Student-t tails, spikes and bursts in every
 run, seed wander and offsets, log-normal positive metrics; 1 to 4 reference seeds): candidates with
@@ -32,6 +35,7 @@ from rldiag.app.analysis.detector import finite_values
 from rldiag.app.analysis.divergence import DivergenceConfig, detect_divergence
 from rldiag.app.data.trace import Trace
 
+HELD_OUT_FIRST = 40  # the defaults were chosen on seeds 0-39
 SHIFTS_3SD = ("level3", "level5", "from0")  # the level shifts of 3 sd or more (goal: median time to alert <= 5)
 
 
@@ -60,12 +64,12 @@ def threshold_alert(s: Scenario, k: float) -> int | None:
     return int(s.candidate.steps[hits[0]]) if len(hits) else None
 
 
-def evaluate(per_kind: int, config: DivergenceConfig | None = None) -> dict:
+def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: int = 0) -> dict:
     config = config or DivergenceConfig()
     rows: dict[str, dict] = {}
     for change in tqdm(CHANGES, desc="change kinds", unit="kind"):
         res = {"rldiag": [], "threshold-3sd": [], "threshold-5sd": []}
-        for s in make_set(per_kind, (change,)):
+        for s in make_set(per_kind, (change,), first_seed):
             d = detect_divergence(list(s.references), s.candidate, config)
             first_alert = d.alert_step
             if d.diverged and s.onset is not None and first_alert is not None and first_alert >= s.onset:
@@ -94,15 +98,7 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None) -> dict:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--per-kind", type=int, default=40, help="comparisons per change kind (default: 40)")
-    ap.add_argument("--quick", action="store_true", help="10 comparisons per change kind")
-    args = ap.parse_args(argv)
-    per_kind = 10 if args.quick else args.per_kind
-    t0 = time.perf_counter()
-    res = evaluate(per_kind)
-    took = time.perf_counter() - t0
+def _print(res: dict) -> None:
     print(f"{'change':10} {'detector':14} {'fired':>5} {'false/early':>11} {'missed':>6} {'alert median':>12} "
           f"{'p90':>5} {'onset err':>9}")
     for change, row in res.items():
@@ -111,32 +107,73 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{change:10} {det:14} {r['fired']:>5} {fe:>11} {r.get('missed', '-')!s:>6} "
                   f"{r.get('median_time_to_alert', '-')!s:>12} {r.get('p90_time_to_alert', '-')!s:>5} "
                   f"{r.get('median_onset_error', '-')!s:>9}")
-    mine = {c: r["rldiag"] for c, r in res.items()}
-    false = sum(mine[c]["false_alarms"] for c in NO_CHANGE) + sum(mine[c]["early_alarms"] for c in CHANGES
-                                                                   if c not in NO_CHANGE)
-    missed = {c: mine[c]["missed"] for c in MUST_DETECT}
+
+
+def _totals(res: dict, det: str = "rldiag") -> tuple[int, int, dict, float | None]:
+    """(false alarms on no-change kinds, alerts before a change, misses per required kind, pooled median
+    time to alert over the shifts of 3 sd or more)."""
+    mine = {c: r[det] for c, r in res.items()}
+    false = sum(mine[c]["false_alarms"] for c in NO_CHANGE)
+    early = sum(mine[c]["early_alarms"] for c in CHANGES if c not in NO_CHANGE)
     pooled = [x for c in SHIFTS_3SD for x in mine[c]["delays"]]
-    med = float(np.median(pooled)) if pooled else None
-    base = {c: r["threshold-5sd"] for c, r in res.items()}
-    base_false = sum(base[c]["false_alarms"] for c in NO_CHANGE) + sum(base[c]["early_alarms"] for c in CHANGES
-                                                                        if c not in NO_CHANGE)
+    return false, early, {c: mine[c]["missed"] for c in MUST_DETECT}, float(np.median(pooled)) if pooled else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--per-kind", type=int, default=40, help="comparisons per change kind (default: 40)")
+    ap.add_argument("--quick", action="store_true", help="10 comparisons per change kind (and 10 held out)")
+    ap.add_argument("--held-out", type=int, default=None, metavar="N",
+                    help=f"also N per kind on seeds from {HELD_OUT_FIRST} on, which the defaults were not chosen on "
+                         "(default 80; --quick 10; 0: none)")
+    ap.add_argument("--held-out-from", type=int, default=HELD_OUT_FIRST, metavar="SEED",
+                    help=f"first held-out seed (default {HELD_OUT_FIRST})")
+    ap.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
+                    help="a DivergenceConfig option (repeatable), e.g. var_persist=12; results of a run "
+                         "with options or --held-out-from go to divergence_quality_options.json")
+    args = ap.parse_args(argv)
+    per_kind = 10 if args.quick else args.per_kind
+    held = args.held_out if args.held_out is not None else (10 if args.quick else 80)
+    config = DivergenceConfig.from_options(args.detector)
+    t0 = time.perf_counter()
+    res = evaluate(per_kind, config)
+    _print(res)
+    held_res = {}
+    if held:
+        first = max(args.held_out_from, per_kind)
+        print(f"\nheld-out seeds {first}-{first + held - 1}:")
+        held_res = evaluate(held, config, first)
+        _print(held_res)
+    took = time.perf_counter() - t0
+    false, early, missed, med = _totals(res)
+    base_false, base_early, _, _ = _totals(res, "threshold-5sd")
+    base_delays = [x for c in SHIFTS_3SD for x in res[c]["threshold-5sd"]["delays"]]
     n_null = per_kind * len(CHANGES)
     summary = [
-        summary_row("divergence (RL-like set): false alarms", f"{false} of {n_null} comparisons",
-                    f"5-sd threshold alert: {base_false}", "-", "0", false == 0),
+        summary_row("divergence (RL-like set): false alarms", f"{false + early} of {n_null} comparisons",
+                    f"5-sd threshold alert: {base_false + base_early}", "-", "0", false + early == 0),
         summary_row("divergence: misses on shifts >= 3 sd, drift, variance, NaN, inf",
                     ", ".join(f"{c} {v}/{per_kind}" for c, v in missed.items()), "-", "-", "0",
                     sum(missed.values()) == 0),
         summary_row("divergence: time to alert (online), level shifts >= 3 sd", f"median {med} steps",
-                    f"5-sd threshold: median {np.median([x for c in SHIFTS_3SD for x in base[c]['delays']])}"
-                    f" with {base_false} false alarms", "-", "median <= 5 steps", med is not None and med <= 5),
+                    f"5-sd threshold: median {np.median(base_delays)} with {base_false + base_early} false alarms",
+                    "-", "median <= 5 steps", med is not None and med <= 5),
     ]
-    for row in res.values():
-        for r in row.values():
-            r.pop("delays", None)
-    write_result("divergence_quality", {"env": env_info(), "per_kind": per_kind, "quick": args.quick, "seconds": took,
-                                        "config": repr(DivergenceConfig()), "scenarios": res, "summary": summary})
-    print(f"\n{took:.1f} s; written bench/results/divergence_quality.json")
+    if held:
+        h_false, h_early, h_missed, h_med = _totals(held_res)
+        summary.append(summary_row(
+            f"divergence, {held} held-out seeds per kind (not used to choose the defaults): false / early alarms, "
+            "misses, time to alert", f"{h_false} false of {held * len(NO_CHANGE)}, {h_early} early of "
+            f"{held * (len(CHANGES) - len(NO_CHANGE))}; misses " + ", ".join(f"{c} {v}" for c, v in h_missed.items() if v)
+            + f"; median {h_med} steps", "-", "-", "0 false, 0 early", h_false + h_early == 0))
+    for r in (r for x in (res, held_res) for row in x.values() for r in row.values()):
+        r.pop("delays", None)
+    default = not args.detector and args.held_out_from == HELD_OUT_FIRST
+    name = "divergence_quality" if default else "divergence_quality_options"  # README's figures: the default run
+    write_result(name, {"env": env_info(), "per_kind": per_kind, "held_out_per_kind": held, "quick": args.quick,
+                        "seconds": took, "config": repr(config), "scenarios": res, "held_out": held_res,
+                        "summary": summary})
+    print(f"\n{took:.1f} s; written bench/results/{name}.json")
     return 0
 
 

@@ -339,7 +339,10 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         cand_abs_diff = np.zeros(n)
     if ref_scale > 0:
         noisy = cand_resid_scale > config.var_ratio * ref_scale
-        hits = np.flatnonzero(noisy)
+        # var_persist steps in a row (1: the first such step): a longer run trades delay for fewer alarms
+        p = config.var_persist
+        cn = np.concatenate([[0], np.cumsum(noisy)])
+        hits = np.flatnonzero((cn[p:] - cn[:-p]) == p) + p - 1 if n >= p else np.empty(0, int)
         if len(hits):
             a = int(hits[0])
             onset = _variance_onset(cand_abs_diff, a, 2 * ref_scale, config.var_window)

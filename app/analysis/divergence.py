@@ -71,6 +71,7 @@ class DivergenceConfig:
     calibration_margin: float = 1.1  # a window's bar >= this x the largest value the references reach on it
     var_ratio: float = 2.5  # candidate step-to-step noise / the references' that makes a variance departure
     var_window: int = 31  # trailing steps over which the candidate's noise is measured
+    var_persist: int = 1  # steps in a row it must be so (12: no variance false alarm on unseen seeds, +12 steps)
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
     min_delta: float = 0.0  # a departure must exceed this, in metric units
     rel_delta: float = 0.0  # ... and this fraction of the reference's level
@@ -82,8 +83,9 @@ class DivergenceConfig:
             raise ValueError(f"windows={self.windows}: use ascending window lengths of 3 steps or more, e.g. (5, 9, 17)")
         if self.k <= 0 or self.detrend_window < 3 or self.var_ratio <= 1 or self.var_window < 5:
             raise ValueError(f"invalid {self}: need k > 0, detrend_window >= 3, var_ratio > 1, var_window >= 5")
-        if self.nonfinite_persist < 1 or self.seed_spread < 0 or self.calibration_margin < 1:
-            raise ValueError(f"invalid {self}: need nonfinite_persist >= 1, seed_spread >= 0, calibration_margin >= 1")
+        if self.nonfinite_persist < 1 or self.seed_spread < 0 or self.calibration_margin < 1 or self.var_persist < 1:
+            raise ValueError(f"invalid {self}: need nonfinite_persist >= 1, seed_spread >= 0, calibration_margin >= 1, "
+                             "var_persist >= 1")
 
     @property
     def min_steps(self) -> int:

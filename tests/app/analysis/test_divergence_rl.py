@@ -84,3 +84,22 @@ def test_options_from_the_command_line():
         DivergenceConfig.from_options(["kk=6"])
     with pytest.raises(ValueError, match="k takes a float, e.g. k=5.0"):
         DivergenceConfig.from_options(["k=big"])
+
+
+def test_var_persist_trades_variance_delay_for_fewer_false_alarms():
+    # held-out seed 87 (not among those the defaults were chosen on): a no-change candidate with t3
+    # noise whose 31-step noise scale is above 2.5x the references' for 8 steps (221-228): a variance
+    # alarm by default, none when 12 such steps in a row are needed
+    s = scenario(87, "none")
+    d = detect_divergence(list(s.references), s.candidate)
+    assert [(x.kind, x.alert_step) for x in d.departures] == [("variance", 221)], d.departures
+    slow = DivergenceConfig(var_persist=12)
+    assert not detect_divergence(list(s.references), s.candidate, slow).diverged
+    # a lasting variance change is still found, 11 steps later (the 12th noisy step in a row: seeds 0-3
+    # alert at 321, 317, 316, 320 by default, at 332, 328, 327, 331 with var_persist=12)
+    for seed in range(4):
+        v = scenario(seed, "variance")
+        fast, late = detect_divergence(list(v.references), v.candidate), detect_divergence(list(v.references), v.candidate, slow)
+        assert late.kind == "variance" and late.alert_step == fast.alert_step + 11 > v.onset + 11, (seed, fast, late)
+    with pytest.raises(ValueError, match="var_persist >= 1"):
+        DivergenceConfig(var_persist=0)
