@@ -125,11 +125,12 @@ def _use_log(refs: np.ndarray, detrend: int) -> tuple[bool, np.ndarray | None]:
 
 
 def transform(values: np.ndarray, log: bool, floor: float) -> np.ndarray:
-    """The compared scale; a value <= 0 where the references are positive becomes far below them."""
+    """The compared scale; a value <= 0 where the references are positive becomes far below them, a
+    missing one (NaN) stays missing (not compared; NaN > 0 is False, so it would become the floor)."""
     if not log:
         return values
     with quiet():
-        return np.log(np.where(values > 0, values, floor))
+        return np.where(np.isnan(values), np.nan, np.log(np.where(values > 0, values, floor)))
 
 
 @dataclass(frozen=True)

@@ -103,3 +103,19 @@ def test_var_persist_trades_variance_delay_for_fewer_false_alarms():
         assert late.kind == "variance" and late.alert_step == fast.alert_step + 11 > v.onset + 11, (seed, fast, late)
     with pytest.raises(ValueError, match="var_persist >= 1"):
         DivergenceConfig(var_persist=0)
+
+
+def test_a_log_compared_metric_that_goes_nan_is_one_nonfinite_departure():
+    # a KL-like metric (log-normal: compared as logs) NaN from step 100 of 200: its NaN steps are not
+    # compared (100 compared) and it leaves only as non-finite; before, NaN became the log floor and
+    # also made a "level" departure with a NaN size
+    from rldiag.app.analysis.detector import reference_model
+
+    rng = np.random.default_rng(0)
+    refs = [trace(np.exp(-2 + 0.4 * rng.standard_normal(200)), f"r{i}") for i in range(3)]
+    c = np.exp(-2 + 0.4 * rng.standard_normal(200))
+    c[100:] = np.nan
+    assert reference_model(tuple(refs), DivergenceConfig()).noise.log
+    d = detect_divergence(refs, trace(c))
+    assert [(x.kind, x.onset_step, x.end_step) for x in d.departures] == [("nonfinite", 100, None)]
+    assert d.steps_compared == 100 and d.first_nonfinite_step == 100
