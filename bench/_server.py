@@ -78,9 +78,49 @@ class MlflowServer:
             self.proc.wait(30)
         self.proc = None
 
-    def __enter__(self) -> "MlflowServer":
+    def __enter__(self) -> MlflowServer:
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.kill()
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start_dashboard(uri: str, log: Path, *, env: dict[str, str] | None = None,
+                    timeout: float = 240) -> tuple[subprocess.Popen, str, float]:
+    """`rldiag app --tracking-uri uri` on a free port in its own process group, output to `log`;
+    returns the process, its URL and the seconds until /_stcore/health said ok (RuntimeError, with
+    the log's tail, when it did not)."""
+    port = free_port()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "rldiag.app.cli.main", "app", "--tracking-uri", uri,
+                             "--port", str(port), "--no-browser"], cwd=REPO, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", **(env or {})))
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "_stcore/health", timeout=2) as r:
+                if r.read() == b"ok":
+                    return proc, url, time.perf_counter() - t0
+        except OSError:
+            time.sleep(0.1)
+    stop_group(proc, timeout=0)
+    raise RuntimeError(f"the dashboard did not come up: {log.read_text()[-2000:]}")
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM `proc`'s process group, SIGKILL after `timeout` s."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM if timeout else signal.SIGKILL)
+            proc.wait(timeout=timeout or 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass

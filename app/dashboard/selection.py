@@ -19,7 +19,8 @@ from rldiag.app.data.runs import run_labels
 from rldiag.app.errors import NoRunsFound
 
 ALL_RUNS = "(all runs)"
-MAX_DEFAULT_CANDIDATES = 9  # picked by default: the newest ones, so that a first load stays quick
+MAX_DEFAULT_CANDIDATES = 9  # untagged runs picked by default: the newest, so that a first load stays quick
+MAX_TAGGED_CANDIDATES = 12  # runs tagged rldiag.role=candidate: the user named them, so a few more
 MAX_DEFAULT_REFERENCES = 8  # a band of seeds; more add little and cost a load each
 _STATE = "sidebar.selection"
 
@@ -63,13 +64,13 @@ def default_group(runs: pd.DataFrame) -> str:
 
 def default_picks(runs: pd.DataFrame) -> tuple[list[str], list[str]]:
     """References and candidates from `rldiag.role`; without roles the oldest run is the reference and
-    the newest others are candidates. At most MAX_DEFAULT_REFERENCES and MAX_DEFAULT_CANDIDATES, the
-    newest (`runs` is newest first): a group of 100 runs opens on a page that loads in seconds, and the
+    the newest others are candidates. At most MAX_DEFAULT_REFERENCES and MAX_TAGGED_CANDIDATES (or
+    MAX_DEFAULT_CANDIDATES untagged), the newest (`runs` is newest first): a group of 100 runs opens on a page that loads in seconds, and the
     others are a pick away (`capped_text` says how many)."""
     refs = runs.loc[runs["role"] == "reference", "run_id"].tolist()
     cands = runs.loc[runs["role"] == "candidate", "run_id"].tolist()
     if refs or cands:
-        return refs[:MAX_DEFAULT_REFERENCES], cands[:MAX_DEFAULT_CANDIDATES]
+        return refs[:MAX_DEFAULT_REFERENCES], cands[:MAX_TAGGED_CANDIDATES]
     ids = runs["run_id"].tolist()  # newest first
     return ids[-1:], ids[:-1][:MAX_DEFAULT_CANDIDATES]
 

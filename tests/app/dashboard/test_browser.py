@@ -4,21 +4,16 @@ charts drawn with the right traces and NaN markers, a run named like HTML shown 
 from __future__ import annotations
 
 import html
-import os
-import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from bench._server import start_dashboard, stop_group
 from tests.app.dashboard.conftest import EVIL, NAN_STEPS
 from tests.browser import chromium, drawn_panels_js, screenshot
-from tests.conftest import free_port
 
-REPO = Path(__file__).resolve().parents[3]
 READY = ('[data-testid="stApp"][data-test-connection-state="CONNECTED"]'
          '[data-test-script-state="notRunning"]')
 
@@ -34,25 +29,12 @@ WIDTHS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p 
 
 def serve(uri: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
     """`rldiag app` on a free port in its own process group; returns once /_stcore/health says ok."""
-    port = free_port()
     log = tmp_path / "rldiag.app.log"
-    proc = subprocess.Popen([sys.executable, "-m", "rldiag.app.cli.main", "app", "--tracking-uri", uri, "--port", str(port),
-                             "--no-browser"], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            with urllib.request.urlopen(url + "_stcore/health", timeout=2) as r:
-                if r.read() == b"ok":
-                    return proc, url, log
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"the dashboard did not come up: {log.read_text()[-2000:]}")
-        time.sleep(0.3)
+    try:
+        proc, url, _ = start_dashboard(uri, log)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    return proc, url, log
 
 
 def drawn(page, wanted: dict[str, set[str]], timeout_s: float = 240) -> dict[str, dict[str, list]]:
@@ -124,9 +106,5 @@ def test_picked_runs_are_drawn_with_nan_markers_and_names_as_text(dash_store, tm
             shot = screenshot(page, "dashboard-compare")
             assert shot.stat().st_size > 50_000
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
     assert "rldiag dashboard: " + url in log.read_text()

@@ -5,12 +5,9 @@ that fits 11 runs with the differences first, run names whole in the sidebar."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-
 import pytest
 
+from bench._server import stop_group
 from rldiag.app.report.build import build_report
 from rldiag.collectors import keys
 from tests.app.conftest import write_run
@@ -38,14 +35,6 @@ CHIPS_JS = """() => [...document.querySelectorAll('[data-testid="stSidebar"] [da
     const s = t.querySelector('span[title]'), bar = document.querySelector('[data-testid="stSidebar"]');
     return [s.textContent, s.scrollWidth > s.clientWidth + 1,
             t.getBoundingClientRect().right <= bar.getBoundingClientRect().right]; })"""
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.browser
@@ -101,7 +90,7 @@ def test_compare_and_nan_events_at_1280x800(dash_store, tmp_path):
             page.get_by_text("sample 1 token 3").wait_for()
             screenshot(page, "glance-nan-events")
     finally:
-        _stop(proc)
+        stop_group(proc)
 
 
 @pytest.mark.browser
@@ -146,4 +135,4 @@ def test_config_diff_of_eleven_runs_fits_with_the_differences_first(tmp_path, te
             assert len(chips) == 11 and all(not cut and inside for _, cut, inside in chips), chips
             screenshot(page, "glance-config-diff")
     finally:
-        _stop(proc)
+        stop_group(proc)
