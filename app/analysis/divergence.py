@@ -314,6 +314,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
         stretches = scan(r, cand_bad, cand_scale, model.noise, config, np.abs(np.diff(ct, prepend=np.nan)))
     deps = []
     center_m = _inverse(model, center_t)
+    gap = cand - center_m  # once: a noisy 100k-step run has hundreds of stretches
     sigma = model.noise.sigma
     for s in stretches:
         seg = slice(s.onset, (s.end + 1) if s.end is not None else len(steps))
@@ -323,7 +324,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                 c_level, delta, dsig = float("nan"), float("nan"), float("nan")
             else:
                 c_level = float(np.nanmedian(cand[seg]))
-                delta = float(np.nanmedian((cand - center_m)[seg]))
+                delta = float(np.nanmedian(gap[seg]))
                 if s.kind == "variance":
                     scale = cand_scale[seg]
                     ref_scale = sigma * np.sqrt(2 * (1 - model.noise.phi))
