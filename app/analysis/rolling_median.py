@@ -15,6 +15,7 @@ import pandas as pd
 from scipy.ndimage import median_filter
 
 _MAX_PANDAS_STRETCHES = 64  # beyond this many NaN-touched stretches one pandas pass is cheaper
+_MAX_SORTED_EDGE = 1025  # the edges' medians sort a (w-1) x (w-1) block: wider windows go through pandas
 
 
 def _pandas(x: np.ndarray, w: int, center: bool, min_periods: int) -> np.ndarray:
@@ -43,7 +44,7 @@ def rolling_median_1d(x: np.ndarray, w: int, *, center: bool, min_periods: int) 
     x = np.asarray(x, float)
     n = len(x)
     min_periods = min(min_periods, w)
-    if w % 2 == 0 or n < w or w < 3:
+    if w % 2 == 0 or n < w or w < 3 or w > _MAX_SORTED_EDGE:
         return _pandas(x, w, center, min_periods)
     h = (w - 1) // 2
     bad = ~np.isfinite(x)
