@@ -197,6 +197,7 @@ class MetricWriter:
         self._seq = 0
         self._inflight: list[Batch] = []
         self._inflight_done = 0  # entries of the in-flight group already delivered or set aside
+        self._counted = False  # close() has counted what is undelivered: the counts change no more
         self._delay = backoff_s[0]
         self.journal: Journal | None = None
         self._journal_ok = True  # False once an append failed: later batches live in memory only
@@ -295,6 +296,7 @@ class MetricWriter:
             left += sum(b.remaining for b in self._pending if isinstance(b, _OnDisk))
             left += self._src.remaining if self._src is not None else 0
             left -= self._inflight_done if self._inflight else 0
+            self._counted = True
         queued = self._drain_queue()  # points the ingest thread never reached (it was stuck): not journaled
         if not self._ingest_done.is_set():
             self._q.put(_STOP)  # the drain may have taken it: the thread must still stop when it gets free
@@ -635,7 +637,7 @@ class MetricWriter:
                 for x, why in bad:
                     self._set_aside(x, why)
                 refused.extend(bad)
-                self._done(len(bad))
+                self._done(len(bad), refused=True)
                 rest = [x for x, why in local if why is None] if len(bad) < len(chunk) else []
                 if rest:
                     todo[0] = rest
@@ -648,10 +650,8 @@ class MetricWriter:
                 continue
             self._delay = self._backoff[0]
             todo.popleft()
-            self.stats.delivered += len(chunk)
-            if group[0].replayed:  # groups never mix replayed and new batches (_take_group)
-                self.stats.replayed += len(chunk)
-            self._done(len(chunk))
+            # groups never mix replayed and new batches (_take_group)
+            self._done(len(chunk), delivered=True, replayed=group[0].replayed)
         with self._cv:
             self._inflight, self._inflight_done = [], 0
         if self.journal is not None:
@@ -700,14 +700,24 @@ class MetricWriter:
         return True
 
     def _set_aside(self, entry: Entry, why: str) -> None:
-        self.stats.refused += 1
         self.stats.last_refusal = f"{entry_text(entry)}: {why}"[:500]
         self._warn_once(f"refused:{len(entry)}:{entry[0]}", "rldiag: the store refused %s for good (%s); set aside, "
                         "the rest is delivered (further refusals of this key are only counted, in stats.refused)",
                         entry_text(entry), why)
 
-    def _done(self, n: int) -> None:
+    def _done(self, n: int, *, delivered: bool = False, replayed: bool = False, refused: bool = False) -> None:
+        """Count `n` entries of the in-flight group as delivered or set aside, under the lock that close()
+        counts what is left under: an entry the store took just as close() gave up is counted once,
+        either delivered or undelivered (counted outside it, one was seen as both: 900 of 300,000)."""
         with self._cv:
+            if self._counted:
+                return  # close() gave up and counted these as undelivered (a replay sends them again)
+            if delivered:
+                self.stats.delivered += n
+                if replayed:
+                    self.stats.replayed += n
+            if refused:
+                self.stats.refused += n
             self._inflight_done += n
 
     def _chunks(self, entries: list[Entry]) -> list[list[Entry]]:
