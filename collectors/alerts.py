@@ -31,8 +31,25 @@ def _num(v: float) -> float | str:
     return v if math.isfinite(v) else str(v)
 
 
+class StepEvent:
+    """What the step events share (this alert, collectors.amp's scaler overflow, collectors.loss_event's
+    NaN loss): the run as the text names it, "N steps in a row", and the dict a sink writes."""
+
+    def run_label(self) -> str:
+        return f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
+
+    def in_a_row_text(self) -> str:
+        n = getattr(self, "in_a_row", 1)
+        return f", {n} steps in a row" if n > 1 else ""
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["text"] = self.text()
+        return d
+
+
 @dataclass
-class NonFiniteGradAlert:
+class NonFiniteGradAlert(StepEvent):
     """A step whose gradients hold NaN or inf."""
 
     run_id: str
@@ -49,10 +66,7 @@ class NonFiniteGradAlert:
     origin: dict | None = None
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d["grad_norm"] = _num(self.grad_norm)
-        d["text"] = self.text()
-        return d
+        return super().as_dict() | {"grad_norm": _num(self.grad_norm)}
 
     def text(self) -> str:
         shown = ", ".join(self.params[:5]) + (f" and {len(self.params) - 5} more" if len(self.params) > 5 else "")
@@ -62,7 +76,7 @@ class NonFiniteGradAlert:
             where = f"; non-finite at {format_positions(self.positions)}"
         if self.positions and self.nonfinite_positions > len(self.positions):
             where += f" ({self.nonfinite_positions} positions)"
-        name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
+        name = self.run_label()
         entered = f"{origin['text']}; " if origin.get("text") else ""
         order = " (in backward order)" if origin.get("order") in ("autograd", "hooks") else ""
         return (

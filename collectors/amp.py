@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
+from rldiag.collectors.alerts import StepEvent
 from rldiag.collectors.gradcheck import GradReport
 
 MIN_LOSS_SCALE = 1.0
@@ -49,7 +50,7 @@ def unscale_report(report: GradReport, scale: float | None, *, scaled: bool, los
 
 
 @dataclass
-class ScalerOverflowEvent:
+class ScalerOverflowEvent(StepEvent):
     """A step whose scaled fp16 gradients overflowed; the scaler skips it and lowers its scale."""
 
     run_id: str
@@ -60,14 +61,8 @@ class ScalerOverflowEvent:
     time: float = field(default_factory=time.time)
     kind: str = "scaler_overflow"
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["text"] = self.text()
-        return d
-
     def text(self) -> str:
-        name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
-        again = f", {self.in_a_row} steps in a row" if self.in_a_row > 1 else ""
+        name, again = self.run_label(), self.in_a_row_text()
         return (f"rldiag: loss-scaler overflow in run {name} at step {self.step} (loss scale {self.loss_scale:g}{again}): "
                 "the scaler skips this step and halves its scale; not a NaN in the model unless it continues "
                 "down to scale 1")

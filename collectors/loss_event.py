@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from rldiag.collectors.alerts import StepEvent
 
 log = logging.getLogger("rldiag")
 
 
 @dataclass
-class NonFiniteLossEvent:
+class NonFiniteLossEvent(StepEvent):
     """A step whose logged loss is non-finite while its gradients are finite."""
 
     run_id: str
@@ -30,14 +32,8 @@ class NonFiniteLossEvent:
     time: float = field(default_factory=time.time)
     kind: str = "nonfinite_loss"
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["text"] = self.text()
-        return d
-
     def text(self) -> str:
-        name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
-        again = f", {self.in_a_row} steps in a row" if self.in_a_row > 1 else ""
+        name, again = self.run_label(), self.in_a_row_text()
         return (f"rldiag: the loss is {self.loss} in run {name} at step {self.step}{again} while every gradient is "
                 "finite: part of the loss carries no gradient (a detached term, a value computed under no_grad) or "
                 "backward ran on another tensor than the loss logged; the optimizer steps on the finite gradients")
