@@ -117,6 +117,18 @@ def serve(uri: str, log: Path, cache_dir: Path) -> tuple[subprocess.Popen, str, 
     return start_dashboard(uri, log, env={"RLDIAG_CACHE_DIR": str(cache_dir)}, timeout=300)
 
 
+def server_loads(uri: str, log: Path, cache_dir: Path, runs: list[str], n_charts: int, n: int
+                 ) -> tuple[float, list[tuple[float, dict, list[dict]]]]:
+    """Start `rldiag app`, time `n` page loads in a row, stop it; its start seconds and each load's
+    (seconds, timeline, charts drawn). The first load may read the store (1800 s allowed)."""
+    proc, url, start = serve(uri, log, cache_dir)
+    try:
+        with chromium() as browser:
+            return start, [load_page(browser, url, runs, n_charts, timeout_s=1800 if i == 0 else 300) for i in range(n)]
+    finally:
+        stop_group(proc, timeout=30)
+
+
 def settle(cache_dir: Path, timeout_s: float = 300) -> int:
     """Wait until the server's background writes to its disk cache are done (no half-written file
     and the same bytes for 2 s); returns the cache's bytes."""
@@ -193,32 +205,21 @@ def main(argv: list[str] | None = None) -> dict:
     log = CACHE / "dashboard-app.log"
     cache_dir = Path(tempfile.mkdtemp(prefix="rldiag-bench-disk-cache-"))
     try:
-        proc, url, start_first = serve(uri, log, cache_dir)
-        try:
-            with chromium() as browser:
-                first, first_marks, _ = load_page(browser, url, runs, args.metrics, timeout_s=1800)
-                print(f"server up in {start_first:.2f} s; first load ever (reads {args.runs * args.metrics * args.steps:,} "
-                      f"points, computes the divergence): {first:.2f} s {first_marks}", flush=True)
-                cache_bytes = settle(cache_dir)
-        finally:
-            stop_group(proc, timeout=30)
+        # the first server: the first load ever, then its disk cache written
+        (start_first, [(first, first_marks, _)]) = server_loads(uri, log, cache_dir, runs, args.metrics, 1)
+        print(f"server up in {start_first:.2f} s; first load ever (reads {args.runs * args.metrics * args.steps:,} "
+              f"points, computes the divergence): {first:.2f} s {first_marks}", flush=True)
+        cache_bytes = settle(cache_dir)
         print(f"disk cache: {cache_bytes / 1e6:.0f} MB; server stopped, started again", flush=True)
-        proc, url, start = serve(uri, log, cache_dir)
-        try:
-            with chromium() as browser:
-                cold, cold_marks, cold_charts = load_page(browser, url, runs, args.metrics, timeout_s=1800)
-                print(f"server up in {start:.2f} s; cold page load (new process, from the disk cache): {cold:.2f} s "
-                      f"{cold_marks}", flush=True)
-                warm, timelines = [], []
-                for _ in range(args.loads):
-                    s, marks, charts = load_page(browser, url, runs, args.metrics, timeout_s=300)
-                    warm.append(s)
-                    timelines.append(marks)
-                    print(f"warm page load: {s:.2f} s {marks}", flush=True)
-        finally:
-            stop_group(proc, timeout=30)
+        # a new server process over that cache: the cold load, then the warm ones
+        start, loads = server_loads(uri, log, cache_dir, runs, args.metrics, 1 + args.loads)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
+    (cold, cold_marks, cold_charts), *rest = loads
+    print(f"server up in {start:.2f} s; cold page load (new process, from the disk cache): {cold:.2f} s {cold_marks}")
+    warm, timelines, charts = [s for s, _, _ in rest], [m for _, m, _ in rest], rest[-1][2]
+    for s, marks in zip(warm, timelines):
+        print(f"warm page load: {s:.2f} s {marks}")
     visible = check_visible(charts, plan)
     visible_cold = check_visible(cold_charts, plan)
     drawn_points = sum(len(t["x"]) for c in charts for t in c["traces"])
