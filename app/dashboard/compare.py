@@ -127,12 +127,19 @@ def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], 
             "delta_sigma": st.column_config.NumberColumn("delta (sigma)", format="%.1f")})
 
 
+def page_keys(metric_keys: list[str]) -> tuple[str, ...]:
+    """What the page loads: the charted metrics, the gradient metrics behind a NaN headline, and the
+    likely causes' signature metrics, in one histories entry (one read of the store, one entry in the
+    caches, not two overlapping ones)."""
+    return tuple(dict.fromkeys([*data.with_grad_keys(metric_keys), *SIGNATURE_KEYS]))
+
+
 def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options: ChartOptions, live: bool) -> None:
     refs = [r for r in sel.reference_ids if r in run_ids]
     cands = [r for r in sel.candidate_ids if r in run_ids]
     force = st.session_state.pop("compare.force", False)
     with st.spinner("Loading metric histories..."):
-        loaded = data.histories(sel.uri, run_ids, data.with_grad_keys(metric_keys), live=live, force=force)
+        loaded = data.histories(sel.uri, run_ids, page_keys(metric_keys), live=live, force=force)
     h = loaded.histories
     divs = data.divergences(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys)) if refs and cands else {}
 
@@ -147,10 +154,9 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     else:
         table = data.divergence_rows(divs, sel.labels)
         summaries = data.summaries(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys), divs)
-        # the signatures' own metrics (the signed mismatch kl_new_old_k1 among them), whatever the page charts
-        sig = data.histories(sel.uri, tuple(refs + cands), SIGNATURE_KEYS)
-        causes = data.causes(sel.uri, loaded.stamp, sig, tuple(refs), tuple(cands), data.runs_version(sel.runs, cands),
-                             summaries)
+        # `loaded` holds the signatures' own metrics too (page_keys), whatever the page charts
+        causes = data.causes(sel.uri, loaded.stamp, loaded, tuple(refs), tuple(cands),
+                             data.runs_version(sel.runs, cands), summaries)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
             missed = detectable_text([d for s in summaries for d in s.within])  # what "within" could miss
@@ -235,7 +241,7 @@ def _downloads(sel: Selection, run_ids: list[str], metric_keys: list[str], optio
     if not (refs and cands):
         st.caption("Pick a reference and a candidate to build the run-comparison report.")
         return
-    loaded = data.histories(sel.uri, run_ids, data.with_grad_keys(metric_keys))
+    loaded = data.histories(sel.uri, run_ids, page_keys(metric_keys))
     wanted = (loaded.stamp, tuple(refs), tuple(cands), tuple(metric_keys), options)
     built = st.session_state.get("compare.report")
     if st.button("Build report (HTML + Markdown)", key="compare.report.build"):
