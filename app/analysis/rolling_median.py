@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from scipy.ndimage import median_filter
+
+try:  # the app extra installs scipy; an install without it (the training side's [hf] only) gets pandas' values, slower
+    from scipy.ndimage import median_filter
+except ImportError:  # pragma: no cover - exercised in the TRL 1.1 environment of `make test`
+    median_filter = None
 
 _MAX_PANDAS_STRETCHES = 64  # beyond this many NaN-touched stretches one pandas pass is cheaper
 _MAX_SORTED_EDGE = 1025  # the edges' medians sort a (w-1) x (w-1) block: wider windows go through pandas
@@ -44,7 +48,7 @@ def rolling_median_1d(x: np.ndarray, w: int, *, center: bool, min_periods: int) 
     x = np.asarray(x, float)
     n = len(x)
     min_periods = min(min_periods, w)
-    if w % 2 == 0 or n < w or w < 3 or w > _MAX_SORTED_EDGE:
+    if median_filter is None or w % 2 == 0 or n < w or w < 3 or w > _MAX_SORTED_EDGE:
         return _pandas(x, w, center, min_periods)
     h = (w - 1) // 2
     bad = ~np.isfinite(x)

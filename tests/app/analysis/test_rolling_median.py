@@ -57,3 +57,17 @@ def test_row_nanmedian_is_numpys():
             warnings.simplefilter("ignore", RuntimeWarning)
             want = np.nanmedian(a, axis=1)
         assert np.array_equal(want, row_nanmedian(a), equal_nan=True)
+
+
+def test_without_scipy_the_values_are_the_same(monkeypatch):
+    """An install without scipy (the training side's [hf] next to TRL 1.1, where the watcher runs in
+    `make test`) takes pandas' path for every window: the same medians, NaN included."""
+    from rldiag.app.analysis import rolling_median as rm
+
+    x = np.random.default_rng(7).standard_t(3, 5000)
+    x[[10, 11, 2500]] = np.nan
+    with_scipy = [rm.rolling_median_1d(x, w, center=c, min_periods=w // 2) for w in (11, 21, 129) for c in (True, False)]
+    monkeypatch.setattr(rm, "median_filter", None)
+    without = [rm.rolling_median_1d(x, w, center=c, min_periods=w // 2) for w in (11, 21, 129) for c in (True, False)]
+    for a, b in zip(with_scipy, without):
+        np.testing.assert_array_equal(a, b)
