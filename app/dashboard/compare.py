@@ -155,8 +155,7 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         table = data.divergence_rows(divs, sel.labels)
         summaries = data.summaries(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys), divs)
         # `loaded` holds the signatures' own metrics too (page_keys), whatever the page charts
-        causes = data.causes(sel.uri, loaded.stamp, loaded, tuple(refs), tuple(cands),
-                             data.runs_version(sel.runs, cands), summaries)
+        causes = data.causes(sel.uri, loaded, tuple(refs), tuple(cands), data.runs_version(sel.runs, cands), summaries)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
             missed = detectable_text([d for s in summaries for d in s.within])  # what "within" could miss

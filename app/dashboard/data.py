@@ -32,6 +32,7 @@ from rldiag.app.data.store import Store, open_store
 from rldiag.app.errors import DataError, StoreUnreachable
 from rldiag.app.plots.figures import ChartOptions, metric_figure
 from rldiag.app.plots.grid_figure import grid_figure
+from rldiag.app.report.content import ALERT_TAGS
 from rldiag.collectors import keys
 from rldiag.collectors.uri import redact_text
 
@@ -99,16 +100,22 @@ def runs_version(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> tuple:
     return version + ((int(time.time() // ALERTS_LIVE_S),) if running else ())
 
 
-@st.cache_data(ttl=3600, max_entries=32, show_spinner=False)
 def alert_events(uri: str, run_ids: tuple[str, ...], version: tuple = ()) -> dict[str, list[dict]]:
-    """The runs' alert events (`rldiag.app.data.alerts`), kept while `version` (`runs_version`) holds;
-    on disk too once every run has ended (their alerts file is uploaded at the end and stays as it is)."""
+    """The runs' alert events (`rldiag.app.data.alerts`), kept while `version` (`runs_version`) and the
+    runs' alert tags hold (`rldiag watch --tag-runs` can tag an ended run later); on disk too once every
+    run has ended (their alerts file is uploaded at the end and stays as it is)."""
+    tags = {r: c.tags for r, c in configs(uri, run_ids).items()}
+    alert_tags = tuple(sorted((r, k, v) for r, t in tags.items() for k, v in t.items() if k in ALERT_TAGS))
+    return _alert_events(uri, run_ids, version, alert_tags, tags)
+
+
+@st.cache_data(ttl=3600, max_entries=32, show_spinner=False)
+def _alert_events(uri: str, run_ids: tuple[str, ...], version: tuple, alert_tags: tuple, _tags) -> dict[str, list[dict]]:
     def load() -> dict[str, list[dict]]:
-        tags = {r: c.tags for r, c in configs(uri, run_ids).items()}
-        return load_alert_events(get_store(uri), run_ids, tags=tags)
+        return load_alert_events(get_store(uri), run_ids, tags=_tags)
 
     ended = bool(version) and all(isinstance(v, tuple) and v[1] in ENDED for v in version)
-    return _persisted("alerts", (uri, run_ids, version), load) if ended else load()
+    return _persisted("alerts", (uri, run_ids, version, alert_tags), load) if ended else load()
 
 
 # ---- histories: kept per selection, refreshed incrementally ---------------------------------------
@@ -246,22 +253,22 @@ def summaries(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], candi
     return _persisted("summaries", key, lambda: summarize(_divergences, _h, reference_ids, candidate_ids, metric_keys))
 
 
-def causes(uri: str, stamp: tuple, signature: Loaded, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
+def causes(uri: str, loaded: Loaded, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
            version: tuple, found: list[CandidateSummary]) -> list[RunCauses]:
-    """`likely_causes` of the candidates: from the signature metrics (`signature`, SIGNATURE_KEYS loaded
-    with `histories`), the runs' params and tags, their alerts (`version`: `runs_version`) and the
-    detector's `found` (`summaries(stamp, ...)`); kept until any of those changes, and on disk."""
+    """`likely_causes` of the candidates: from `loaded` (with the signature metrics, SIGNATURE_KEYS), the
+    runs' params and tags, their alerts (`version`: `runs_version`) and the detector's `found`
+    (`summaries` of the same stamp); kept until any of those changes, and on disk."""
     cfgs = configs(uri, reference_ids + candidate_ids)
     alerts = alert_events(uri, candidate_ids, version)
     inputs = hashlib.sha256(repr((sorted((r, sorted(c.params.items()), sorted(c.tags.items())) for r, c in cfgs.items()),
                                   alerts)).encode()).hexdigest()
-    key = (stamp, signature.stamp, reference_ids, candidate_ids, inputs, repr(DivergenceConfig.from_env()))
-    return _causes(key, signature.histories, cfgs, alerts, found)
+    key = (loaded.stamp, reference_ids, candidate_ids, inputs, repr(DivergenceConfig.from_env()))
+    return _causes(key, loaded.histories, cfgs, alerts, found)
 
 
 @st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
 def _causes(key: tuple, _h: Histories, _cfgs, _alerts, _found) -> list[RunCauses]:
-    refs, cands = list(key[2]), list(key[3])
+    refs, cands = list(key[1]), list(key[2])
     return _persisted("causes", key, lambda: likely_causes(_h, _cfgs, refs, cands, summaries=_found, alerts=_alerts))
 
 

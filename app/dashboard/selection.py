@@ -65,8 +65,8 @@ def default_group(runs: pd.DataFrame) -> str:
 def default_picks(runs: pd.DataFrame) -> tuple[list[str], list[str]]:
     """References and candidates from `rldiag.role`; without roles the oldest run is the reference and
     the newest others are candidates. At most MAX_DEFAULT_REFERENCES and MAX_TAGGED_CANDIDATES (or
-    MAX_DEFAULT_CANDIDATES untagged), the newest (`runs` is newest first): a group of 100 runs opens on a page that loads in seconds, and the
-    others are a pick away (`capped_text` says how many)."""
+    MAX_DEFAULT_CANDIDATES untagged), the newest (`runs` is newest first): a group of 100 runs opens on
+    a page that loads in seconds, and the others are a pick away (`capped_text` says how many)."""
     refs = runs.loc[runs["role"] == "reference", "run_id"].tolist()
     cands = runs.loc[runs["role"] == "candidate", "run_id"].tolist()
     if refs or cands:

@@ -22,7 +22,6 @@ def warm() -> None:
         import rldiag.app.dashboard.shell  # noqa: F401 - every page, streamlit, plotly, pandas
         from rldiag.app.dashboard import RLDIAG_TRACKING_URI
         from rldiag.app.data.readonly_sql import store_class
-        from rldiag.app.data.runs import find_runs  # noqa: F401
         from rldiag.app.data.store import open_store
 
         store_class()

@@ -92,8 +92,8 @@ class DiskCache:
 
     @classmethod
     def from_env(cls) -> DiskCache | None:
-        """The cache RLDIAG_CACHE_DIR and RLDIAG_CACHE_MB name, or None when it is off or unusable
-        (one warning says why)."""
+        """The cache RLDIAG_CACHE_DIR and RLDIAG_CACHE_MB name, or None when it is off (a directory it
+        cannot use is said, once, at the first write)."""
         root = default_root()
         if root is None:
             return None
@@ -155,9 +155,9 @@ class DiskCache:
         """Write the entry now (atomically: a reader sees the old entry or the new one); False when
         it could not be written (a warning says why)."""
         path = self.path(kind, key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             self._ensure(path.parent)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -166,8 +166,8 @@ class DiskCache:
             self._warn_once(f"put:{type(e).__name__}", f"rldiag: could not write the cache entry {path} "
                                                        f"({type(e).__name__}: {e}); the dashboard works without it")
             try:
-                tmp.unlink(missing_ok=True)  # type: ignore[possibly-undefined]
-            except (OSError, NameError):
+                tmp.unlink(missing_ok=True)
+            except OSError:
                 pass
             return False
         self.prune()

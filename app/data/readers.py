@@ -351,7 +351,6 @@ def _parallel(fn, items: Sequence, max_workers: int, store: Store) -> list:
         raise
 
 
-
 def row_at(con, rowid: int) -> tuple | None:
     """The metrics row with this rowid (run, key, step, timestamp, value), or None: what a cache keeps
     to tell the store it read from from one replaced or rewritten at the same path."""

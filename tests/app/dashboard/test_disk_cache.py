@@ -190,3 +190,39 @@ def test_alert_events_are_kept_on_disk_only_once_every_run_has_ended():
     assert isinstance(live[-1], int)
     assert runs_version(df, ["a"]) == (("a", "FINISHED", str(df.end_time[0])),)  # no clock: kept
     assert isinstance(runs_version(df, ["a", "gone"])[-1], int)  # a run the list does not hold: not known to have ended
+
+
+ALERTS_PROCESS = textwrap.dedent("""
+    import json, sys
+    from rldiag.app.dashboard import data
+    uri, run = sys.argv[1], sys.argv[2]
+    version = data.runs_version(data.runs(uri, "exp"), [run])
+    events = data.alert_events(uri, (run,), version)
+    assert data.disk_cache().flush(60)
+    print(json.dumps({"version_ended": all(isinstance(v, tuple) for v in version), "events": events[run]}))
+""")
+
+
+@pytest.mark.slow
+def test_an_alert_tag_set_after_a_run_ended_is_not_hidden_by_the_cache(store_uri, tmp_path):
+    """An ended run's alert events are kept on disk; `rldiag watch --tag-runs` can still tag it later
+    (a NaN it found in a run rldiag's collectors never watched): the next dashboard process shows it."""
+    from mlflow import MlflowClient
+
+    from rldiag.collectors import keys
+
+    run = write_run(store_uri, name="trl-run", steps=_steps(0, 10, seed=1))
+    cache = tmp_path / "cache"
+
+    def read() -> dict:
+        out = subprocess.run([sys.executable, "-c", ALERTS_PROCESS, store_uri, run], cwd=REPO, capture_output=True,
+                             text=True, timeout=300, env=dict(os.environ, RLDIAG_CACHE_DIR=str(cache)))
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    before = read()
+    assert before == {"version_ended": True, "events": []}  # ended, nothing to say: kept on disk
+    alert = {"kind": "nonfinite_grad", "run_id": run, "step": 7, "grad_norm": "nan", "params": []}
+    MlflowClient(store_uri).set_tag(run, keys.TAG_ALERT_LAST, json.dumps(alert))
+    after = read()
+    assert [e["step"] for e in after["events"]] == [7] and after["events"][0]["source"] == "tag"
