@@ -138,6 +138,14 @@ class NullStore:
         return int.from_bytes(self._bits, "little").bit_count() if self._bits is not None else -1
 
 
+def _timed_log(w, step: int) -> float:
+    """Seconds the training thread's `log_metrics` of one step took (the values made outside the clock)."""
+    values = _values(step)
+    t0 = time.perf_counter()
+    w.log_metrics(values, step)
+    return time.perf_counter() - t0
+
+
 def _keep_up_with_ingest(w) -> None:
     """Wait until at most 200 logged steps are still queued for the writer's ingest thread. This loop
     logs faster than any trainer (and than ingest, ~400k points/s); unthrottled, the queue of its
@@ -157,7 +165,6 @@ def child_run(args) -> dict:
     w = MetricWriter("bench-run", store, spill_dir=spill, backoff_s=(0.05, 0.5))
     calls, peak_bytes, peak_queue = array("d"), 0, 0
     down_at = int(args.steps * 0.9)
-    clock = time.perf_counter
     for step in range(args.steps):
         if step == down_at:
             if not w.flush(3600):
@@ -167,10 +174,7 @@ def child_run(args) -> dict:
             w.flush(3600)  # the store keeps up, as it does at a training step's pace (this loop is faster)
         elif step % 500 == 499:
             _keep_up_with_ingest(w)
-        values = _values(step)
-        t0 = clock()
-        w.log_metrics(values, step)
-        calls.append(clock() - t0)
+        calls.append(_timed_log(w, step))
         if step % 200 == 0:
             peak_bytes = max(peak_bytes, _dir_bytes(spill))
             peak_queue = max(peak_queue, w._q.qsize())
@@ -221,7 +225,6 @@ def child_outage(args) -> dict:
     down_at, up_at = int(n * 0.4), int(n * 0.6)
     per_step = args.outage_s / max(1, up_at - down_at)
     calls = array("d")
-    clock = time.perf_counter
     peak = {"journal_peak_bytes": 0, "backlog_at_journal_peak": 0, "peak_backlog": 0, "journal_excess_max_bytes": 0}
     series: list[list[float]] = []  # [s since start, step, backlog points, journal bytes, RSS MB], every 5 s
     t_start = next_series = time.monotonic()
@@ -246,10 +249,7 @@ def child_outage(args) -> dict:
                 drained_step, t_drained = step, time.monotonic()  # the backlog is gone (one flush's worth left)
             else:  # draining: a trainer slower than ingest, not waiting for the store
                 _keep_up_with_ingest(w)
-        values = _values(step)
-        t0 = clock()
-        w.log_metrics(values, step)
-        calls.append(clock() - t0)
+        calls.append(_timed_log(w, step))
         if step % 200 == 0:
             size, backlog = _dir_bytes(spill), w.stats.enqueued - w.stats.delivered
             excess = size - backlog * _line_bytes(step)  # bytes on disk beyond the backlog's own lines

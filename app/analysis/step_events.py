@@ -74,10 +74,9 @@ def scaler_overflows(h: Histories | None, run_id: str) -> ScalerOverflows | None
         i = np.clip(np.searchsorted(scale.steps, steps), 0, len(scale.steps) - 1)
         found = scale.steps[i] == steps
         scales[found] = scale.values[i[found]]
-    longest = run = 0
-    for v in hit.tolist():  # the flag is logged at every step under a scaler: neighbours are consecutive steps
-        run = run + 1 if v else 0
-        longest = max(longest, run)
+    # the flag is logged at every step under a scaler: neighbouring rows are consecutive steps
+    edges = np.diff(np.r_[0, hit.astype(np.int8), 0])
+    longest = int((np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)).max())
     return ScalerOverflows(run_id, tuple(int(s) for s in steps), tuple(float(s) for s in scales), longest)
 
 
@@ -123,12 +122,10 @@ def nonfinite_loss(h: Histories | None, run_id: str) -> NonFiniteLoss | None:
     steps = [s for s in sorted(found) if s not in grad_bad]
     if not steps:
         return None
-    checked = set()
-    for k in (keys.GRAD_FINITE, keys.GRAD_NORM):  # any logged gradient check at the step (none is bad there)
-        g = h.get(run_id, k)
-        if g is not None:
-            checked |= set(g.steps.tolist())
-    return NonFiniteLoss(run_id, tuple(steps), tuple(found[s] for s in steps), all(s in checked for s in steps))
+    # any logged gradient check at the step (none is bad there)
+    logged = [g.steps for k in (keys.GRAD_FINITE, keys.GRAD_NORM) if (g := h.get(run_id, k)) is not None]
+    checked = bool(logged) and bool(np.isin(steps, np.concatenate(logged)).all())
+    return NonFiniteLoss(run_id, tuple(steps), tuple(found[s] for s in steps), checked)
 
 
 def step_event_lines(h: Histories | None, run_ids, labels: dict[str, str]) -> tuple[list[str], list[str]]:

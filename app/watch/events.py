@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rldiag.collectors.alerts import NonFiniteGradAlert
+from rldiag.collectors.alerts import NonFiniteGradAlert, StepEvent
 
 SOURCE = "watch"
 
@@ -39,7 +39,7 @@ class WatchAlert:
 
     def text(self) -> str:
         a = self.alert
-        name = f"{a.run_name} ({a.run_id})" if a.run_name else a.run_id
+        name = a.run_label()
         flagged = ", ".join(f"{k}={v}" for k, v in self.values.items())
         where = f" in experiment {self.experiment!r}" if self.experiment else ""
         cause = f"; {self.cause}" if self.cause else ""
@@ -71,7 +71,7 @@ def divergence_event(run_id: str, run_name: str, group: str, references: Sequenc
 
 
 @dataclass
-class LossAlert:
+class LossAlert(StepEvent):
     """A step whose logged loss is NaN or inf while its gradients are not flagged (kind "nonfinite_loss"):
     an alert of its own, never a NaN-gradient one (no MLflow tag; see `rldiag.app.analysis.step_events`)."""
 
@@ -84,7 +84,7 @@ class LossAlert:
     kind = "nonfinite_loss"
 
     def text(self) -> str:
-        name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
+        name = self.run_label()
         where = f" in experiment {self.experiment!r}" if self.experiment else ""
         grads = ("every gradient is finite there: part of the loss carries no gradient (a detached term, a value "
                  "computed under no_grad), or backward ran on another tensor" if self.checked
@@ -98,7 +98,7 @@ class LossAlert:
 
 
 @dataclass
-class OverflowNote:
+class OverflowNote(StepEvent):
     """The scaler overflows of a run new since the last poll (kind "scaler_overflow"): told, never alerted."""
 
     run_id: str
@@ -107,7 +107,7 @@ class OverflowNote:
     summary: str  # `ScalerOverflows.text()` of all of the run's overflows so far
 
     def as_dict(self) -> dict:
-        name = f"{self.run_name} ({self.run_id})" if self.run_name else self.run_id
+        name = self.run_label()
         return {"kind": "scaler_overflow", "source": SOURCE, "run_id": self.run_id, "run_name": self.run_name,
                 "steps": self.steps, "step": self.steps[-1], "time": time.time(),
                 "text": f"rldiag watch: run {name}: {self.summary}; not a NaN gradient"}

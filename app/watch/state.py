@@ -43,10 +43,10 @@ def in_ranges(steps: np.ndarray, ranges: list[list[int]]) -> np.ndarray:
     return ok & (steps <= hi[np.maximum(i, 0)])
 
 
-def add_step(ranges: list[list[int]], step: int) -> list[list[int]]:
-    """`ranges` (sorted, disjoint, closed) with `step` added, neighbours merged."""
+def add_steps(ranges: list[list[int]], steps) -> list[list[int]]:
+    """`ranges` (sorted, disjoint, closed) with `steps` added, neighbours merged (one sort for all)."""
     merged: list[list[int]] = []
-    for a, b in sorted(ranges + [[int(step), int(step)]]):
+    for a, b in sorted(ranges + [[int(s), int(s)] for s in steps]):
         if merged and a <= merged[-1][1] + 1:
             merged[-1][1] = max(merged[-1][1], b)
         else:
@@ -70,8 +70,7 @@ class RunState:
         return steps[~in_ranges(steps, self.noted.get(kind, []))].tolist()
 
     def note(self, kind: str, steps) -> None:
-        for s in steps:
-            self.noted[kind] = add_step(self.noted.get(kind, []), s)
+        self.noted[kind] = add_steps(self.noted.get(kind, []), steps)
 
     def new_steps(self, steps: np.ndarray) -> np.ndarray:
         """The steps of `steps` (unique, sorted) not alerted on yet."""
@@ -79,7 +78,7 @@ class RunState:
         return steps[~in_ranges(steps, self.alerted)]
 
     def mark(self, step: int) -> None:
-        self.alerted = add_step(self.alerted, step)
+        self.alerted = add_steps(self.alerted, [step])
         self.alerts += 1
         self.first_step = int(step) if self.first_step is None else min(self.first_step, int(step))
 
