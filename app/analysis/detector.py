@@ -86,6 +86,8 @@ class NoiseModel(NamedTuple):
     change_sd: tuple[float, ...]  # per change_windows pair: sd of (recent median - the one before) under no change
     threshold: tuple[float, ...]  # per trailing window, in null sd (>= k; raised by the references' bursts)
     ref_nonfinite: bool  # some reference logs non-finite values itself
+    diff_scale: float = 0.0  # robust sd of the references' step-to-step changes (what `candidate_scale` measures)
+    var_bar: float = 2.5  # candidate scale / diff_scale that is a variance departure (>= var_ratio; self-calibrated)
 
 
 def ar_mean_var(m: int, phi: float) -> float:
@@ -219,8 +221,36 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         # cancel, so an abrupt change shows long before its level clears the seed spread.
         change_sd = tuple(max(float(np.sqrt(median_var(phi) * sigma**2 * ar_diff_var(q, p, phi))),
                               1e-9 * max(1.0, scale_of_level)) for q, p in config.change_windows)
-    noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite)
+        diff_scale, var_bar = _variance_bar(vals, sigma, phi, config)
+    noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
+                       diff_scale, var_bar)
     return RefModel(steps, vals, center, log_floor, noise)
+
+
+def _variance_bar(vals: np.ndarray, sigma: float, phi: float, config) -> tuple[float, float]:
+    """The references' robust scale of step-to-step changes, measured as the candidate's is, and the
+    variance bar over it: `var_ratio`, raised to `calibration_margin` x the largest ratio any reference's
+    own trailing scale reaches over its run (a longer or burstier reference raises it).
+
+    Measured directly rather than as `sigma * sqrt(2 (1 - phi))`: under heavy tails (t(3) noise) the two
+    differ by 10-20%, which put same-distribution candidates over the bar (8 of 14 false alarms on
+    bench.divergence_rl's held-out seeds 40-119 were variance ones)."""
+    per_seed = []
+    for j in range(vals.shape[1]):
+        d = np.abs(np.diff(vals[:, j]))
+        d = d[np.isfinite(d)]
+        if len(d):
+            s = _MAD * float(np.median(d))
+            per_seed.append(s if s > 0 else 1.2533 * float(np.mean(d)))  # quantised: mean absolute change
+    scale = float(np.median(per_seed)) if per_seed else 0.0
+    if not scale > 0:
+        return sigma * np.sqrt(2 * (1 - phi)), config.var_ratio
+    top = 0.0
+    for j in range(vals.shape[1]):
+        own = candidate_scale(vals[:, j], config.var_window)
+        if np.isfinite(own).any():
+            top = max(top, float(np.nanmax(own)) / scale)
+    return scale, max(config.var_ratio, config.calibration_margin * top)
 
 
 @dataclass(frozen=True)
@@ -248,11 +278,15 @@ def _cusum_onset(r: np.ndarray, alert: int, level: float, lookback: int) -> int:
     return lo + int(np.argmax(tail))
 
 
-def _variance_onset(abs_diff: np.ndarray, alert: int, cut: float, lookback: int) -> int:
-    """Where a noisier stretch ending at `alert` starts: the split maximising the tail sum of +1 for a
-    step-to-step change above `cut` (2 reference sd: 5% of steps under no change) and -0.5 otherwise."""
+def _variance_onset(abs_diff: np.ndarray, alert: int, ref_scale: float, ratio: float, lookback: int) -> int:
+    """Where a noisier stretch ending at `alert` starts: the split maximising the tail sum of each step's
+    log-likelihood ratio of "step-to-step changes `ratio` times the references'" against "as the
+    references'" (normal changes; each change capped at 3 reference sd, so a spike or burst before the
+    onset cannot pull it back). A count of changes over a fixed cut placed one onset 35 steps late where
+    the first 30 noisy steps happened to hold few large changes."""
     lo = max(0, alert - lookback)
-    x = np.where(abs_diff[lo:alert + 1] > cut, 1.0, -0.5)
+    u2 = np.minimum((abs_diff[lo:alert + 1] / ref_scale) ** 2, 9.0)
+    x = np.where(np.isfinite(u2), 0.5 * u2 * (1 - 1 / ratio**2) - np.log(ratio), 0.0)
     tail = np.cumsum(x[::-1])[::-1]
     return lo + int(np.argmax(tail))
 
@@ -333,20 +367,21 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         else:
             out.append(Stretch("level", onset, a, None, sign, m))
             break
-    # Variance: the candidate's own step-to-step noise `var_ratio` times the references'. A noisier
+    # Variance: the candidate's own step-to-step noise `var_bar` times the references'. A noisier
     # candidate also moves its medians: level stretches inside a variance stretch are that, not a shift.
-    ref_scale = noise.sigma * np.sqrt(2 * (1 - noise.phi))
+    ref_scale = noise.diff_scale
     if cand_abs_diff is None:
         cand_abs_diff = np.zeros(n)
     if ref_scale > 0:
-        noisy = cand_resid_scale > config.var_ratio * ref_scale
+        noisy = cand_resid_scale > noise.var_bar * ref_scale
         # var_persist steps in a row (1: the first such step): a longer run trades delay for fewer alarms
         p = config.var_persist
         cn = np.concatenate([[0], np.cumsum(noisy)])
         hits = np.flatnonzero((cn[p:] - cn[:-p]) == p) + p - 1 if n >= p else np.empty(0, int)
         if len(hits):
             a = int(hits[0])
-            onset = _variance_onset(cand_abs_diff, a, 2 * ref_scale, config.var_window)
+            ratio = max(noise.var_bar, float(cand_resid_scale[a]) / ref_scale)
+            onset = _variance_onset(cand_abs_diff, a, ref_scale, ratio, 3 * config.var_window)
             # over once it is back under the bar for a whole window (the trailing scale flickers at the edge)
             quiet_run = np.concatenate([[0], np.cumsum(~noisy[a:])])
             w = config.var_window

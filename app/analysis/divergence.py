@@ -10,7 +10,7 @@ The test (`rldiag.app.analysis.detector`, whose docstring says why each piece is
   seed-to-seed spread (estimated from the seeds; a prior of `seed_spread` noise sd where fewer seeds
   tell); a departure is any window beyond `k` such sd (or beyond what the references' own bursts
   reach on it, if more); it ends once that window is back under half its bar for a window's length;
-- also: the candidate's step-to-step noise `var_ratio` times the references' (`kind="variance"`), and
+- also: the candidate's step-to-step noise `var_ratio` (or more) times the references' (`kind="variance"`), and
   the candidate non-finite where the references are finite (`kind="nonfinite"`).
 The scan is causal: `alert_step` is the step a watcher polling every step reports the departure at;
 `onset_step` is placed after the fact (a CUSUM split). Considered: `ruptures` (offline change-point
@@ -69,7 +69,7 @@ class DivergenceConfig:
     seed_spread: float = 0.4  # prior seed-to-seed spread, in noise sd (all that 1 or 2 seeds can give)
     seed_spread_weight: float = 1.0  # the prior counts as this many seeds beside the references' estimate
     calibration_margin: float = 1.1  # a window's bar >= this x the largest value the references reach on it
-    var_ratio: float = 2.5  # candidate step-to-step noise / the references' that makes a variance departure
+    var_ratio: float = 2.5  # candidate / reference step-to-step noise of a variance departure (or over refs' peak)
     var_window: int = 31  # trailing steps over which the candidate's noise is measured
     var_persist: int = 1  # steps in a row it must be so (12: no variance false alarm on unseen seeds, +12 steps)
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
@@ -327,7 +327,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                 delta = float(np.nanmedian(gap[seg]))
                 if s.kind == "variance":
                     scale = cand_scale[seg]
-                    ref_scale = sigma * np.sqrt(2 * (1 - model.noise.phi))
+                    ref_scale = model.noise.diff_scale
                     dsig = float(np.nanmedian(scale) / ref_scale) if ref_scale > 0 else float("nan")
                 else:
                     dsig = float(np.nanmedian(r[seg]) / sigma) if sigma > 0 else float("inf") * np.sign(delta)
