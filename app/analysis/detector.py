@@ -10,6 +10,9 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
   `windows[0]` points (a burst of fewer than half a window cannot move them), and the threshold of each
   window rises above the largest value the references' own residuals reach on it (self-calibrating:
   a reference with 4-step bursts makes the 5-point window demand more).
+- With 2 or more references, each is also scored as a candidate against the centre of the others over
+  its whole run, and every bar rises to what they reach: how far seeds wander apart, and how far a
+  longer run reaches (tested at more positions), come from the references themselves.
 - Seeds differ by a slow wander and a level offset: a window's null variance has a floor, the
   seed-to-seed spread, estimated from the references' smoothed curves (shrunk towards a prior of
   `seed_spread` noise sd, which is all a single reference can give).
@@ -88,6 +91,7 @@ class NoiseModel(NamedTuple):
     ref_nonfinite: bool  # some reference logs non-finite values itself
     diff_scale: float = 0.0  # robust sd of the references' step-to-step changes (what `candidate_scale` measures)
     var_bar: float = 2.5  # candidate scale / diff_scale that is a variance departure (>= var_ratio; self-calibrated)
+    change_bar: tuple[float, ...] = ()  # per change_windows pair, in change sd (>= k_change; self-calibrated)
 
 
 def ar_mean_var(m: int, phi: float) -> float:
@@ -196,13 +200,22 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         prior, k0 = (config.seed_spread * sigma) ** 2, config.seed_spread_weight
         spread = float(np.sqrt(((n - 1) * est + k0 * prior) / (n - 1 + k0)))
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
+        def null_sd_of(m: int, seeds: int) -> float:
+            """sd of (a seed's trailing m-median - the centre of `seeds` seeds) under no change: its own noise,
+            the centre's error (a w-step smooth averaged over m >= w steps errs as the raw points' m-step
+            average does) and the seed-to-seed spread."""
+            center_var = median_var(phi) * sigma**2 * ar_mean_var(max(m, config.window), phi) / max(seeds, 1)
+            v = median_var(phi) * sigma**2 * ar_mean_var(m, phi) + center_var + spread**2 * (1 + 1 / max(seeds, 1))
+            return max(float(np.sqrt(v)), config.min_delta / config.k, 1e-9 * max(1.0, scale_of_level))
+
+        # The candidate against its own recent past (relative to the centre): seed offsets and wander
+        # cancel, so an abrupt change shows long before its level clears the seed spread.
+        change_sd = tuple(max(float(np.sqrt(median_var(phi) * sigma**2 * ar_diff_var(q, p, phi))),
+                              1e-9 * max(1.0, scale_of_level)) for q, p in config.change_windows)
+        loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd)
         null_sd, thresholds = [], []
-        for m in config.windows:
-            # the centre's own error, averaged over the window (a w-step smooth averaged over m >= w
-            # steps errs as the raw points' m-step average does)
-            center_var = median_var(phi) * sigma**2 * ar_mean_var(max(m, config.window), phi) / max(n, 1)
-            v = median_var(phi) * sigma**2 * ar_mean_var(m, phi) + center_var + spread**2 * (1 + 1 / max(n, 1))
-            sd = max(float(np.sqrt(v)), config.min_delta / config.k, 1e-9 * max(1.0, scale_of_level))
+        for wi, m in enumerate(config.windows):
+            sd = null_sd_of(m, n)
             null_sd.append(sd)
             # Self-calibration: the largest |trailing median| each seed's own residual reaches on this window
             # (bursts, heavy tails) sets the bar for a candidate of the same configuration.
@@ -216,15 +229,42 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
             # their bar rises by `k_per_halving` for each halving below the longest window.
             k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
-            thresholds.append(max(k_m, config.calibration_margin * top * own_sd / sd if sd > 0 else k_m))
-        # The candidate against its own recent past (relative to the centre): seed offsets and wander
-        # cancel, so an abrupt change shows long before its level clears the seed spread.
-        change_sd = tuple(max(float(np.sqrt(median_var(phi) * sigma**2 * ar_diff_var(q, p, phi))),
-                              1e-9 * max(1.0, scale_of_level)) for q, p in config.change_windows)
+            thresholds.append(max(k_m, config.calibration_margin * top * own_sd / sd if sd > 0 else k_m,
+                                  config.calibration_margin * loo_level[wi]))
+        change_bar = tuple(max(config.k_change, config.calibration_margin * c) for c in loo_change)
         diff_scale, var_bar = _variance_bar(vals, sigma, phi, config)
     noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
-                       diff_scale, var_bar)
+                       diff_scale, var_bar, change_bar)
     return RefModel(steps, vals, center, log_floor, noise)
+
+
+def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, change_sd: tuple[float, ...]
+                   ) -> tuple[list[float], list[float]]:
+    """With 2 or more seeds, each seed is a no-change candidate against the centre of the others: the
+    largest |z| each level window and each change test reaches on it, over the whole run (z in the null
+    sd of a centre of n-1 seeds). It carries what the noise model leaves out (how far seeds wander apart
+    over a long run, tails, bursts), and grows with the run's length as a candidate's own largest value
+    does: at 100k steps the model's bars alone flagged 7 of 24 no-change candidates (bench.divergence_rl's
+    noise, phi 0.6-0.85). Zeros with one seed (nothing to leave out)."""
+    n = vals.shape[1]
+    level = [0.0] * len(config.windows)
+    change = [0.0] * len(config.change_windows)
+    if n < 2:
+        return level, change
+    for j in range(n):
+        r = vals[:, j] - row_nanmedian(np.delete(smooth, j, axis=1))
+        med = {m: _trailing_median(r, m) for m in {*config.windows, *(w for pair in config.change_windows for w in pair)}}
+        for wi, m in enumerate(config.windows):
+            z = med[m] / null_sd_of(m, n - 1)
+            if np.isfinite(z).any():
+                level[wi] = max(level[wi], float(np.nanmax(np.abs(z))))
+        for ci, ((q, p), sd) in enumerate(zip(config.change_windows, change_sd)):
+            before = np.roll(med[p], q)
+            before[:q] = np.nan
+            zc = (med[q] - before) / sd
+            if np.isfinite(zc).any():
+                change[ci] = max(change[ci], float(np.nanmax(np.abs(zc))))
+    return level, change
 
 
 def _variance_bar(vals: np.ndarray, sigma: float, phi: float, config) -> tuple[float, float]:
@@ -311,7 +351,7 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         # every window at every step where it is 60% full: whether a window counts never depends on
         # how long the candidate is now, so a prefix of the run reports what the whole run reports there
         tests = [(m, level[m], th, m, m, sd) for m, th, sd in zip(config.windows, noise.threshold, noise.null_sd)]
-        for (q, p), sd in zip(config.change_windows, noise.change_sd):
+        for ci, ((q, p), sd) in enumerate(zip(config.change_windows, noise.change_sd)):
             before = np.roll(trailing(p), q)
             before[:q] = np.nan
             zc = (trailing(q) - before) / sd
@@ -321,7 +361,8 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             lvl = level[end_m]
             bar = noise.threshold[list(config.windows).index(end_m)]
             zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
-            tests.append((q, zc, config.k_change, end_m, q + p, sd))
+            tests.append((q, zc, noise.change_bar[ci] if ci < len(noise.change_bar) else config.k_change, end_m,
+                          q + p, sd))
     out: list[Stretch] = []
     # Level departures: any test beyond its bar; each stretch ends once the reporting window's level
     # is back under half its bar for as many steps as the window is long. Where each test is beyond its

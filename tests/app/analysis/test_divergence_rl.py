@@ -124,3 +124,25 @@ def test_a_log_compared_metric_that_goes_nan_is_one_nonfinite_departure():
     d = detect_divergence(refs, trace(c))
     assert [(x.kind, x.onset_step, x.end_step) for x in d.departures] == [("nonfinite", 100, None)]
     assert d.steps_compared == 100 and d.first_nonfinite_step == 100
+
+
+def test_a_long_run_gets_bars_from_its_references_left_out_in_turn(monkeypatch):
+    # 100k steps of bench.divergence_rl's noise (phi 0.75-0.85, seeds wandering apart): the noise model's
+    # bars alone flagged these no-change candidates (2 and 3 references); each reference against the
+    # centre of the others reaches further over such a run, and the bars rise to it
+    import bench.divergence_rl as rl
+    from rldiag.app.analysis.detector import reference_model
+
+    monkeypatch.setattr(rl, "T", 100_000)
+    config = DivergenceConfig()
+    base = [config.k + config.k_per_halving * np.log2(config.windows[-1] / m) for m in config.windows]
+    for seed in (2, 10, 12):
+        s = rl.scenario(seed, "none")
+        d = detect_divergence(list(s.references), s.candidate)
+        assert not d.diverged, (seed, d.departures[:2])
+        noise = reference_model(tuple(s.references), config).noise
+        assert any(t > b + 0.01 for t, b in zip(noise.threshold, base)) or min(noise.change_bar) > config.k_change
+    # and a 5-sd shift at step 300 of such a run is still found, within a few dozen steps
+    s = rl.scenario(2, "level5")
+    d = detect_divergence(list(s.references), s.candidate)
+    assert d.diverged and d.kind == "level" and 0 <= d.alert_step - s.onset <= 40, d.departures[:2]
