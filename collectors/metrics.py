@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from rldiag.collectors import keys
-from rldiag.collectors.chunks import Workspace, row_chunks
+from rldiag.collectors.chunks import Workspace, cache_budget, row_chunks
 from rldiag.collectors.compat.torch import host_dtype
 
 Tensor = torch.Tensor
@@ -183,7 +183,8 @@ def token_entropy(logits: Tensor) -> Tensor:
     is `-inf`). Walks the rows in chunks (collectors/chunks.py): never a float32 copy of all the logits."""
     h = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     ws = Workspace(logits.device)
-    for idx, rows in row_chunks(logits):
+    budget = max(cache_budget(logits.device), logits.shape[-1])  # whole rows: [n, V] chunks, never 1-d ones
+    for idx, rows in row_chunks(logits, budget):
         h[idx] = _entropy_rows(rows, ws)
     return h
 

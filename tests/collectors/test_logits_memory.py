@@ -41,8 +41,10 @@ def ref_logprobs(logits, ids, *, temperature=1.0, top_k=None, top_p=1.0):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    # 40 elements: 2 rows of V=16 a chunk; a V=64 row is larger than a chunk (one row each)
+    # 40 elements: 2 rows of V=16 a chunk; a V=64 row is larger than a chunk (one row each); the CPU's
+    # cache-sized chunks too
     monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 40)
+    monkeypatch.setattr(chunks, "CPU_CACHE_ELEMENTS", 40)
 
 
 def _logits(b, t, v, seed=0, dtype=torch.bfloat16):
