@@ -1,10 +1,10 @@
 """Step-time overhead of rldiag in a CPU training loop, next to `torch.autograd.detect_anomaly()`.
 
-    python -m bench.overhead [--quick] [--blocks N] [--block-steps K]
+    python -m bench.overhead [--quick] [--blocks N] [--block-steps K] [--d-model D] [--variants A,B,...]
 
 TinyPolicy (vocab 512, d_model 128, 2 layers) on a batch of 8 x 128 tokens: forward, a clipped
-policy-gradient loss against fixed rollout logprobs, backward, grad clipping, AdamW. Variants, each
-with its own copy of the same initial model:
+policy-gradient loss against fixed rollout logprobs, backward, grad clipping, AdamW. Variants (all
+training one shared model, in turn):
 - bare: just that step;
 - rldiag: `Monitor.watch` on the logits, `policy_metrics(...)`, `Monitor.step(...)` (gradient check and
   logging into a real SQLite store in a temp dir, journal on);
@@ -28,8 +28,8 @@ block the writer is flushed outside the timed region, so its background work lan
 rather than in the next variant's steps.
 
 `--d-model 1024` is the same benchmark on a wider model (hidden 1024, 2 layers, 25 M parameters), where
-the matmuls weigh as they do in an LLM; it runs bare, rldiag and anomaly only (`--variants`), about
-3 s a step on one thread: use `--blocks 4 --block-steps 4`.
+the matmuls weigh as they do in an LLM; it runs bare, rldiag, anomaly and bare_control only
+(`--variants`), about 2.3 s a step on one thread: README's run used `--blocks 6 --block-steps 4` (~4 min).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--d-model", type=int, default=128, help="hidden size of the model (1024: the wide run)")
     ap.add_argument("--variants", default=None,
                     help=f"comma-separated subset of {','.join(VARIANTS)} (default: all; with --d-model above 256: "
-                         "bare,rldiag,anomaly)")
+                         "bare,rldiag,anomaly,bare_control)")
     args = ap.parse_args(argv)
     names = _variants(args.variants, args.d_model)
     if args.quick:

@@ -200,6 +200,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         prior, k0 = (config.seed_spread * sigma) ** 2, config.seed_spread_weight
         spread = float(np.sqrt(((n - 1) * est + k0 * prior) / (n - 1 + k0)))
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
+
         def null_sd_of(m: int, seeds: int) -> float:
             """sd of (a seed's trailing m-median - the centre of `seeds` seeds) under no change: its own noise,
             the centre's error (a w-step smooth averaged over m >= w steps errs as the raw points' m-step
@@ -253,7 +254,8 @@ def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, cha
         return level, change
     for j in range(n):
         r = vals[:, j] - row_nanmedian(np.delete(smooth, j, axis=1))
-        med = {m: _trailing_median(r, m) for m in {*config.windows, *(w for pair in config.change_windows for w in pair)}}
+        lengths = {*config.windows, *(w for pair in config.change_windows for w in pair)}
+        med = {m: _trailing_median(r, m) for m in lengths}
         for wi, m in enumerate(config.windows):
             z = med[m] / null_sd_of(m, n - 1)
             if np.isfinite(z).any():

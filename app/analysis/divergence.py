@@ -69,7 +69,7 @@ class DivergenceConfig:
     seed_spread: float = 0.4  # prior seed-to-seed spread, in noise sd (all that 1 or 2 seeds can give)
     seed_spread_weight: float = 1.0  # the prior counts as this many seeds beside the references' estimate
     calibration_margin: float = 1.1  # a window's bar >= this x the largest value the references reach on it
-    var_ratio: float = 2.5  # candidate / reference step-to-step noise of a variance departure (or over refs' peak)
+    var_ratio: float = 2.5  # candidate / reference step-to-step noise of a variance departure (at least: see var_bar)
     var_window: int = 31  # trailing steps over which the candidate's noise is measured
     var_persist: int = 1  # steps in a row it must be so (12: no variance false alarm on unseen seeds, +12 steps)
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
