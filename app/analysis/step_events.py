@@ -3,6 +3,13 @@ loss that went non-finite while every gradient stayed finite.
 
     ov = scaler_overflows(h, run_id)        # ScalerOverflows | None; ov.text()
     nl = nonfinite_loss(h, run_id)          # NonFiniteLoss | None; nl.text()
+    lo = likely_overflows(h, run_id, params)  # LikelyOverflows | None: an fp16 run rldiag did not watch
+
+A run that rldiag's collectors did not watch (transformers' own MLflowCallback) logs a scaler overflow as
+an inf or NaN `grad_norm`: the NaN events list those steps, and for an fp16 run (`fp16` True in its params)
+whose non-finite steps come in short streaks with a finite loss, a line beside them says they are likely
+overflows. It is a hint, never an all-clear: the steps stay NaN events, since nothing logged tells an
+overflow from a NaN gradient there.
 
 A scaler overflow (`grad/scaler_overflow` = 1, logged by the collectors under a `torch.amp.GradScaler`) is
 ordinary fp16 training: the scaler skips that optimizer step and lowers its scale. The collectors log no
@@ -80,6 +87,50 @@ def scaler_overflows(h: Histories | None, run_id: str) -> ScalerOverflows | None
     return ScalerOverflows(run_id, tuple(int(s) for s in steps), tuple(float(s) for s in scales), longest)
 
 
+_TRUE = {"true", "1", "yes"}
+
+
+@dataclass(frozen=True)
+class LikelyOverflows:
+    """Non-finite grad-norm steps of an fp16 run without rldiag's overflow flag, in short streaks."""
+
+    run_id: str
+    steps: tuple[int, ...]
+    longest: int
+
+    def text(self) -> str:
+        """ "non-finite grad norm at 3 steps (0-2) of an fp16 run (fp16=True): likely loss-scaler overflows..." """
+        return (f"non-finite grad norm at {_plural(len(self.steps), 'step')} ({format_ranges(self.steps, limit=8)}) "
+                f"of an fp16 run (fp16=True), at most {self.longest} in a row with a finite loss: likely loss-scaler "
+                "overflows, which the GradScaler skips itself; nothing logged tells them from NaN gradients, so "
+                "they stay NaN events (rldiag's callback logs overflows apart, as grad/scaler_overflow)")
+
+
+def likely_overflows(h: Histories | None, run_id: str, params: dict[str, str] | None) -> LikelyOverflows | None:
+    """For a run whose params say `fp16` is true and which logged no `grad/scaler_overflow`: its non-finite
+    grad-norm steps, when none comes in a streak of LONG_STREAK or more logged steps and the loss is finite
+    wherever it was logged at them (a NaN loss, or a streak that long, is what a real NaN looks like)."""
+    if h is None or not params or str(params.get("fp16", "")).strip().lower() not in _TRUE:
+        return None
+    if h.get(run_id, keys.GRAD_SCALER_OVERFLOW) is not None:
+        return None  # rldiag told overflows apart itself
+    bad = [b.step for b in bad_steps(h, run_id) if keys.GRAD_FINITE not in b.values]
+    norm = h.get(run_id, keys.GRAD_NORM)
+    if not bad or norm is None:
+        return None
+    loss = h.get(run_id, keys.LOSS)
+    if loss is not None:
+        at = np.isin(loss.steps, bad)
+        if at.any() and not np.isfinite(loss.values[at]).all():
+            return None
+    hit = np.isin(norm.steps, bad)  # streaks in logged grad-norm rows (a trainer logs every N steps)
+    edges = np.diff(np.r_[0, hit.astype(np.int8), 0])
+    longest = int((np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)).max())
+    if longest >= LONG_STREAK:
+        return None
+    return LikelyOverflows(run_id, tuple(int(s) for s in bad), longest)
+
+
 @dataclass(frozen=True)
 class NonFiniteLoss:
     """Steps where the logged loss is NaN or inf and the gradients were not flagged non-finite."""
@@ -128,14 +179,19 @@ def nonfinite_loss(h: Histories | None, run_id: str) -> NonFiniteLoss | None:
     return NonFiniteLoss(run_id, tuple(steps), tuple(found[s] for s in steps), checked)
 
 
-def step_event_lines(h: Histories | None, run_ids, labels: dict[str, str]) -> tuple[list[str], list[str]]:
+def step_event_lines(h: Histories | None, run_ids, labels: dict[str, str],
+                     params: dict[str, dict[str, str]] | None = None) -> tuple[list[str], list[str]]:
     """`(overflow lines, loss lines)`, one per run that has them: "<run>: scaler overflow: 3 steps (...)"
-    and "<run>: loss NaN at 2 steps (...) while every gradient is finite there: ...", as the NaN events page
-    and the report say them beside (never among) the NaN gradient steps."""
+    (or, for an fp16 run rldiag did not watch, "<run>: non-finite grad norm at 3 steps ... likely loss-scaler
+    overflows"; `params`: run -> its params) and "<run>: loss NaN at 2 steps (...) while every gradient is
+    finite there: ...", as the NaN events page and the report say them beside (never among) the NaN
+    gradient steps."""
     over, loss = [], []
     for r in run_ids:
         if (ov := scaler_overflows(h, r)) is not None:
             over.append(f"{labels.get(r, r)}: {ov.text()}; an ordinary fp16 event, not a NaN gradient")
+        elif (lo := likely_overflows(h, r, (params or {}).get(r))) is not None:
+            over.append(f"{labels.get(r, r)}: {lo.text()}")
         if (nl := nonfinite_loss(h, r)) is not None:
             loss.append(f"{labels.get(r, r)}: {nl.text()}")
     return over, loss

@@ -111,7 +111,8 @@ def render() -> None:
                    "at every logged step).", icon=":material/check:")
     else:
         _episodes(sel, events, h, alerts)
-    over, loss = step_event_lines(h, ids, sel.labels)
+    params = {r: c.params for r, c in data.configs(sel.uri, tuple(ids)).items()} if len(events) else {}
+    over, loss = step_event_lines(h, ids, sel.labels, params)
     for line in loss:  # no NaN gradient, but the loss the run optimises is NaN: its own warning
         st.warning(escape_md(line), icon=":material/warning:")
     for line in over:

@@ -74,6 +74,7 @@ class ReportContent:
     unchecked: dict[str, list[int]] = field(default_factory=dict)  # run -> steps with grad/found = 0
     histories: Histories | None = None  # what was loaded (the NaN episodes read which steps were checked)
     alerts: dict[str, list[dict]] = field(default_factory=dict)  # run -> its alert events (where a NaN entered)
+    params: dict[str, dict[str, str]] = field(default_factory=dict)  # run -> its params (fp16 overflow hint)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -153,7 +154,7 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     return ReportContent(title, redact_uri(store.uri), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), infos,
                          tuple(keys), divergence, events, nonfinite, diff, figures, summaries, causes,
                          {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories,
-                         alerts=alerts)
+                         alerts=alerts, params={r: c.params for r, c in configs.items()})
 
 
 def _color_order(store: Store, runs: list) -> list[str]:

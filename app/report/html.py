@@ -141,7 +141,7 @@ def _causes(c: ReportContent) -> str:
 
 def _nan_events(c: ReportContent) -> str:
     """The NaN episodes, then the scaler overflows and NaN losses with finite gradients, said apart."""
-    over, loss = step_event_lines(c.histories, [r.run_id for r in c.runs], c.labels)
+    over, loss = step_event_lines(c.histories, [r.run_id for r in c.runs], c.labels, c.params)
     return _nan_episodes(c) + "".join(f"<p><strong>{e(x)}</strong></p>" for x in loss) + "".join(
         f"<p>{e(x)}</p>" for x in over)
 

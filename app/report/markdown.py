@@ -121,7 +121,7 @@ def render_markdown(c: ReportContent) -> str:
                          md(first["positions"]) or "-"])
         out += _table(["run", "steps", "at steps", "grad norm at the first", "parameters named", "first positions"],
                       rows, "lrlrll")
-    over, loss = step_event_lines(c.histories, [r.run_id for r in c.runs], labels)
+    over, loss = step_event_lines(c.histories, [r.run_id for r in c.runs], labels, c.params)
     if over or loss:  # said apart from the NaN gradient steps, never among them
         out += ["", *(f"- {md(x)}" for x in loss + over)]
     out.append("")

@@ -100,3 +100,57 @@ def test_the_watcher_alerts_the_nan_loss_and_tells_overflows_once_never_as_nan(s
     # a restarted watcher reads the state file: nothing is told twice
     again, more = watch_once(store_uri, state=WatchState.load(path))
     assert more == [] and (again.alerts, again.notes) == (0, 0)
+
+
+def _hf_style_fp16_run(store_uri: str, name: str, role: str, loss_c: dict[int, float], *, fp16_param: str = "True",
+                       nan_from: int | None = None) -> str:
+    """A real fp16 GradScaler loop that rldiag does not watch, logged as transformers' MLflowCallback logs a
+    Trainer(fp16=True) run (`grad_norm` after unscale_ and clipping: inf at an overflow step; `loss`; the
+    TrainingArguments as params). transformers itself cannot run fp16 on this CPU machine: the loop is
+    the one its Trainer runs. `nan_from`: from this step the loss is NaN (a real NaN, every step)."""
+    from tests.app.conftest import write_run
+    from tests.collectors.test_amp import x_batch
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    logged = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = model(x_batch(step))
+        loss = loss_c.get(step, 1.0) * y.float().sum()
+        if nan_from is not None and step >= nan_from:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0).item()
+        scaler.step(opt)
+        scaler.update()
+        logged.append((step, {"loss": loss.item(), "grad_norm": norm}))
+    return write_run(store_uri, experiment="hf-fp16", name=name, params={"fp16": fp16_param},
+                     tags={keys.TAG_GROUP: "hf-fp16", keys.TAG_ROLE: role}, steps=logged)
+
+
+def test_an_fp16_run_rldiag_did_not_watch_gets_an_overflow_hint_beside_its_nan_events(store_uri, monkeypatch):
+    # the overflows (steps 0, 2, 4) come from the real scaler; the hint never clears them: they stay NaN
+    # events, and a run with a real NaN (loss NaN from step 5 on) or without fp16=True gets no hint
+    _hf_style_fp16_run(store_uri, "ref", "reference", {})
+    _hf_style_fp16_run(store_uri, "fp16", "candidate", OVERFLOW_C)
+    _hf_style_fp16_run(store_uri, "nan", "candidate", OVERFLOW_C, nan_from=5)
+    _hf_style_fp16_run(store_uri, "fp32", "candidate", OVERFLOW_C, fp16_param="False")
+    hint = ("fp16: non-finite grad norm at 3 steps (0, 2, 4) of an fp16 run (fp16=True), at most 1 in a row with "
+            "a finite loss: likely loss-scaler overflows")
+    rep = build_report(store_uri, group="hf-fp16")
+    ev = rep.content.nan_events
+    assert ev[ev.run_id == rep.content.runs[1].run_id]["step"].tolist() == [0, 2, 4]  # still NaN events
+    for text in (rep.markdown, rep.html):
+        assert hint in text
+        assert "nan: non-finite grad norm" not in text and "fp32: non-finite grad norm" not in text
+    assert any(line.startswith("fp16") and "non-finite gradients from step 0" in line for line in departure_lines(rep))
+    at = app(store_uri, monkeypatch, "nan-events")
+    infos = [unescape_md(i.value) for i in at.info]
+    # the reference overflows once too (step 0: a gradient of 1 at scale 65536 is past fp16's 65504)
+    assert [i.split(":")[0] for i in infos] == ["ref", "fp16"], infos
+    assert infos[1].startswith(hint) and "1 step (0)" in infos[0]
+    assert not at.success  # no all-clear
