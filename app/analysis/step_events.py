@@ -101,15 +101,17 @@ class LikelyOverflows:
     def text(self) -> str:
         """ "non-finite grad norm at 3 steps (0-2) of an fp16 run (fp16=True): likely loss-scaler overflows..." """
         return (f"non-finite grad norm at {_plural(len(self.steps), 'step')} ({format_ranges(self.steps, limit=8)}) "
-                f"of an fp16 run (fp16=True), at most {self.longest} in a row with a finite loss: likely loss-scaler "
-                "overflows, which the GradScaler skips itself; nothing logged tells them from NaN gradients, so "
-                "they stay NaN events (rldiag's callback logs overflows apart, as grad/scaler_overflow)")
+                f"of an fp16 run (fp16=True), at most {self.longest} in a row, each followed by finite steps, with a "
+                "finite loss: likely loss-scaler overflows, which the GradScaler skips itself; nothing logged tells "
+                "them from NaN gradients, so they stay NaN events (rldiag's callback logs overflows apart, as "
+                "grad/scaler_overflow)")
 
 
 def likely_overflows(h: Histories | None, run_id: str, params: dict[str, str] | None) -> LikelyOverflows | None:
     """For a run whose params say `fp16` is true and which logged no `grad/scaler_overflow`: its non-finite
-    grad-norm steps, when none comes in a streak of LONG_STREAK or more logged steps and the loss is finite
-    wherever it was logged at them (a NaN loss, or a streak that long, is what a real NaN looks like)."""
+    grad-norm steps, when each streak of them is shorter than LONG_STREAK logged steps and followed by a
+    finite one, and the loss is finite wherever it was logged at them (a NaN loss, a long streak or one
+    that lasts to the run's last step is what a real NaN looks like)."""
     if h is None or not params or str(params.get("fp16", "")).strip().lower() not in _TRUE:
         return None
     if h.get(run_id, keys.GRAD_SCALER_OVERFLOW) is not None:
@@ -125,8 +127,12 @@ def likely_overflows(h: Histories | None, run_id: str, params: dict[str, str] | 
             return None
     hit = np.isin(norm.steps, bad)  # streaks in logged grad-norm rows (a trainer logs every N steps)
     edges = np.diff(np.r_[0, hit.astype(np.int8), 0])
-    longest = int((np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)).max())
-    if longest >= LONG_STREAK:
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # ends: one past each streak
+    longest = int((ends - starts).max())
+    # the scaler halves its scale after an overflow and the next steps fit: a streak the run never came
+    # out of (to its last logged step) is what a real NaN looks like, whatever the logged loss says
+    # (transformers' Trainer replaces a NaN loss by the average of the last ones: logging_nan_inf_filter)
+    if longest >= LONG_STREAK or ends[-1] >= len(norm.steps):
         return None
     return LikelyOverflows(run_id, tuple(int(s) for s in bad), longest)
 

@@ -102,55 +102,72 @@ def test_the_watcher_alerts_the_nan_loss_and_tells_overflows_once_never_as_nan(s
     assert more == [] and (again.alerts, again.notes) == (0, 0)
 
 
-def _hf_style_fp16_run(store_uri: str, name: str, role: str, loss_c: dict[int, float], *, fp16_param: str = "True",
-                       nan_from: int | None = None) -> str:
-    """A real fp16 GradScaler loop that rldiag does not watch, logged as transformers' MLflowCallback logs a
-    Trainer(fp16=True) run (`grad_norm` after unscale_ and clipping: inf at an overflow step; `loss`; the
-    TrainingArguments as params). transformers itself cannot run fp16 on this CPU machine: the loop is
-    the one its Trainer runs. `nan_from`: from this step the loss is NaN (a real NaN, every step)."""
-    from tests.app.conftest import write_run
-    from tests.collectors.test_amp import x_batch
+def _trainer_run(store_uri: str, tmp_path, monkeypatch, name: str, role: str, *, fp16: bool, nan_at: int | None = None
+                 ) -> str:
+    """A stock transformers Trainer with `report_to="mlflow"` (its own MLflowCallback, no rldiag), fp16 as on a
+    GPU (`tests.collectors.test_amp.cpu_fp16_trainer_class`: the first step overflows for real, the next
+    fit), or fp32. `nan_at`: a weight set to NaN at that step (a real NaN: the loss is NaN from then on)."""
+    import json
 
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    logged = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            y = model(x_batch(step))
-        loss = loss_c.get(step, 1.0) * y.float().sum()
-        if nan_from is not None and step >= nan_from:
-            loss = loss * float("nan")
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0).item()
-        scaler.step(opt)
-        scaler.update()
-        logged.append((step, {"loss": loss.item(), "grad_norm": norm}))
-    return write_run(store_uri, experiment="hf-fp16", name=name, params={"fp16": fp16_param},
-                     tags={keys.TAG_GROUP: "hf-fp16", keys.TAG_ROLE: role}, steps=logged)
+    import mlflow
+    from accelerate.state import AcceleratorState
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback
+
+    from tests.collectors.test_amp import cpu_fp16_trainer_class
+    from tests.integrations.test_transformers import llama_config, lm_dataset, training_args
+
+    class PoisonWeight(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == nan_at:
+                with torch.no_grad():
+                    model.model.norm.weight[0] = float("nan")  # every position's logits
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-fp16")
+    monkeypatch.setenv("MLFLOW_TAGS", json.dumps({keys.TAG_GROUP: "hf-fp16", keys.TAG_ROLE: role}))
+    torch.manual_seed(0)
+    cls = cpu_fp16_trainer_class() if fp16 else Trainer
+    try:
+        trainer = cls(model=LlamaForCausalLM(llama_config()), train_dataset=lm_dataset(16),
+                      args=training_args(tmp_path / name, per_device_train_batch_size=2, max_steps=8,
+                                         report_to=["mlflow"], run_name=name),
+                      callbacks=[PoisonWeight()] if nan_at is not None else None)
+        trainer.train()
+    finally:
+        AcceleratorState._reset_state(True)
+        mlflow.end_run()
+    client = mlflow.MlflowClient(store_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("hf-fp16").experiment_id],
+                               f"attributes.run_name = '{name}'")
+    return run.info.run_id
 
 
-def test_an_fp16_run_rldiag_did_not_watch_gets_an_overflow_hint_beside_its_nan_events(store_uri, monkeypatch):
-    # the overflows (steps 0, 2, 4) come from the real scaler; the hint never clears them: they stay NaN
-    # events, and a run with a real NaN (loss NaN from step 5 on) or without fp16=True gets no hint
-    _hf_style_fp16_run(store_uri, "ref", "reference", {})
-    _hf_style_fp16_run(store_uri, "fp16", "candidate", OVERFLOW_C)
-    _hf_style_fp16_run(store_uri, "nan", "candidate", OVERFLOW_C, nan_from=5)
-    _hf_style_fp16_run(store_uri, "fp32", "candidate", OVERFLOW_C, fp16_param="False")
-    hint = ("fp16: non-finite grad norm at 3 steps (0, 2, 4) of an fp16 run (fp16=True), at most 1 in a row with "
-            "a finite loss: likely loss-scaler overflows")
+def test_an_fp16_trainer_rldiag_did_not_watch_gets_an_overflow_hint_beside_its_nan_events(store_uri, tmp_path,
+                                                                                            monkeypatch):
+    # stock Trainers logging through transformers' MLflowCallback only: the fp16 one's first step overflows
+    # (a real GradScaler), which it logs as a non-finite grad_norm. The hint never clears it: the step stays
+    # a NaN event. A real NaN (a weight NaN from step 4 on; the Trainer's NaN filter keeps the logged loss
+    # finite) gets no hint: its non-finite steps last to the end.
+    from rldiag.app.analysis.step_events import likely_overflows
+    from rldiag.app.data.histories import load_histories
+    from rldiag.app.data.store import open_store
+
+    ids = {name: _trainer_run(store_uri, tmp_path, monkeypatch, name, role, fp16=fp16, nan_at=nan_at)
+           for name, role, fp16, nan_at in (("ref", "reference", False, None), ("fp16", "candidate", True, None),
+                                            ("nan", "candidate", True, 4))}
+    hint = ("fp16: non-finite grad norm at 1 step (1) of an fp16 run (fp16=True), at most 1 in a row, each followed "
+            "by finite steps, with a finite loss: likely loss-scaler overflows")
     rep = build_report(store_uri, group="hf-fp16")
     ev = rep.content.nan_events
-    assert ev[ev.run_id == rep.content.runs[1].run_id]["step"].tolist() == [0, 2, 4]  # still NaN events
+    assert ev[ev.run_id == ids["fp16"]]["step"].tolist() == [1]  # still a NaN event
+    assert len(ev[ev.run_id == ids["nan"]]) >= 4
     for text in (rep.markdown, rep.html):
         assert hint in text
-        assert "nan: non-finite grad norm" not in text and "fp32: non-finite grad norm" not in text
-    assert any(line.startswith("fp16") and "non-finite gradients from step 0" in line for line in departure_lines(rep))
+        assert "nan: non-finite grad norm" not in text and "ref: non-finite grad norm" not in text
+    assert any(line.startswith("fp16") and "non-finite gradients from step 1" in line for line in departure_lines(rep))
+    h = load_histories(open_store(store_uri), [ids["fp16"]], [keys.GRAD_NORM, keys.LOSS])
+    assert likely_overflows(h, ids["fp16"], {"fp16": "False"}) is None  # no fp16, no hint
     at = app(store_uri, monkeypatch, "nan-events")
     infos = [unescape_md(i.value) for i in at.info]
-    # the reference overflows once too (step 0: a gradient of 1 at scale 65536 is past fp16's 65504)
-    assert [i.split(":")[0] for i in infos] == ["ref", "fp16"], infos
-    assert infos[1].startswith(hint) and "1 step (0)" in infos[0]
+    assert len(infos) == 1 and infos[0].startswith(hint), infos
     assert not at.success  # no all-clear

@@ -193,29 +193,37 @@ def test_bf16_autocast_loop_logs_true_norms_and_catches_a_nan(sqlite_uri):
     assert keys.GRAD_LOSS_SCALE not in client.get_run(mon.run_id).data.metrics  # no scaler: no scale logged
 
 
+def cpu_fp16_trainer_class(init_scale: float = 2.0**40, backoff: float = 2.0**-30):
+    """`Trainer(fp16=True)` as accelerate sets it up on a GPU, here on the CPU. accelerate refuses fp16 on the
+    CPU in `Accelerator()` by a device check only (torch 2.13's CPU autocast and GradScaler do fp16), so
+    after that check this sets what the GPU path sets: native AMP, mixed precision fp16 and the GradScaler,
+    before `train()` prepares the model (fp16 autocast forward) and the optimizer (scaler.step + update).
+    The scaler starts at 2**40 and backs off by 2**-30: the first step overflows for real, the next fits.
+    `args.fp16` is set True too, after the Accelerator is made (it would refuse fp16 on the CPU), so that the
+    run's params say fp16 as a GPU run's do."""
+    from transformers import Trainer
+
+    class CpuFp16Trainer(Trainer):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            self.accelerator.state._mixed_precision = "fp16"
+            self.accelerator.native_amp = True
+            self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, backoff_factor=backoff)
+            self.args.fp16 = True
+
+    return CpuFp16Trainer
+
+
 # --- fp16 through transformers' Trainer ---------------------------------------------------------------------
 
 
 def test_a_trainer_under_skip_trains_through_a_scaler_overflow_without_a_crash_or_a_nan_alert(sqlite_uri, tmp_path):
     pytest.importorskip("transformers")
     from accelerate.state import AcceleratorState
-    from transformers import LlamaForCausalLM, Trainer, TrainerCallback
+    from transformers import LlamaForCausalLM, TrainerCallback
 
     from rldiag.collectors.integrations.transformers import RldiagCallback
     from tests.integrations.test_transformers import llama_config, lm_dataset, training_args
-
-    class CpuFp16Trainer(Trainer):
-        """`Trainer(fp16=True)` as accelerate sets it up on a GPU, here on the CPU. accelerate refuses fp16 on the
-        CPU in `Accelerator()` by a device check only (torch 2.13's CPU autocast and GradScaler do fp16), so
-        after that check this sets what the GPU path sets: native AMP, mixed precision fp16 and the GradScaler,
-        before `train()` prepares the model (fp16 autocast forward) and the optimizer (scaler.step + update).
-        The scaler starts at 2**40 and backs off by 2**-30: the first step overflows for real, the next fits."""
-
-        def create_accelerator_and_postprocess(self):
-            super().create_accelerator_and_postprocess()
-            self.accelerator.state._mixed_precision = "fp16"
-            self.accelerator.native_amp = True
-            self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
 
     class Weights(TrainerCallback):
         def __init__(self):
@@ -226,8 +234,8 @@ def test_a_trainer_under_skip_trains_through_a_scaler_overflow_without_a_crash_o
 
     torch.manual_seed(0)
     try:
-        trainer = CpuFp16Trainer(model=LlamaForCausalLM(llama_config()), train_dataset=lm_dataset(8),
-                                 args=training_args(tmp_path, per_device_train_batch_size=2, max_steps=3))
+        trainer = cpu_fp16_trainer_class()(model=LlamaForCausalLM(llama_config()), train_dataset=lm_dataset(8),
+                                           args=training_args(tmp_path, per_device_train_batch_size=2, max_steps=3))
         weights = Weights()
         trainer.add_callback(weights)
         before = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
