@@ -7,8 +7,8 @@ loss that went non-finite while every gradient stayed finite.
 
 A run that rldiag's collectors did not watch (transformers' own MLflowCallback) logs a scaler overflow as
 an inf or NaN `grad_norm`: the NaN events list those steps, and for an fp16 run (`fp16` True in its params)
-whose non-finite steps come in short streaks with a finite loss, a line beside them says they are likely
-overflows. It is a hint, never an all-clear: the steps stay NaN events, since nothing logged tells an
+whose non-finite steps come in short streaks, each followed by finite steps, with a finite loss, a line
+beside them says they are likely overflows. It is a hint, never an all-clear: the steps stay NaN events, since nothing logged tells an
 overflow from a NaN gradient there.
 
 A scaler overflow (`grad/scaler_overflow` = 1, logged by the collectors under a `torch.amp.GradScaler`) is
@@ -99,7 +99,8 @@ class LikelyOverflows:
     longest: int
 
     def text(self) -> str:
-        """ "non-finite grad norm at 3 steps (0-2) of an fp16 run (fp16=True): likely loss-scaler overflows..." """
+        """ "non-finite grad norm at 3 steps (0, 2, 4) of an fp16 run (fp16=True), at most 1 in a row, ...:
+        likely loss-scaler overflows, ..." """
         return (f"non-finite grad norm at {_plural(len(self.steps), 'step')} ({format_ranges(self.steps, limit=8)}) "
                 f"of an fp16 run (fp16=True), at most {self.longest} in a row, each followed by finite steps, with a "
                 "finite loss: likely loss-scaler overflows, which the GradScaler skips itself; nothing logged tells "
