@@ -6,6 +6,7 @@ onset error, per change kind, vs a fixed threshold.
     python -m bench.divergence_quality --held-out 0   # without the 80 held-out seeds per kind
     python -m bench.divergence_quality --detector var_persist=12       # other detector options
     python -m bench.divergence_quality --held-out-from 120             # other held-out seeds
+    python -m bench.divergence_quality --long-steps 100000 --held-out 0  # also 24 no-change runs of 100k steps
 
 The set is `bench.divergence_rl` (AR(1) noise to phi 0.85, Student-t tails, spikes and bursts in every
 run, seed wander and offsets, log-normal positive metrics; 1 to 4 reference seeds): candidates with
@@ -119,6 +120,27 @@ def _totals(res: dict, det: str = "rldiag") -> tuple[int, int, dict, float | Non
     return false, early, {c: mine[c]["missed"] for c in MUST_DETECT}, float(np.median(pooled)) if pooled else None
 
 
+def _long_run(steps: int, n: int, config: DivergenceConfig) -> dict:
+    """`n` no-change comparisons of bench.divergence_rl (seeds 0..n-1) with runs `steps` long."""
+    import bench.divergence_rl as rl
+
+    saved, rl.T = rl.T, steps
+    try:
+        flagged = []
+        for seed in tqdm(range(n), desc=f"{steps}-step runs", unit="run"):
+            s = rl.scenario(seed, "none")
+            d = detect_divergence(list(s.references), s.candidate, config)
+            if d.diverged:
+                flagged.append({"seed": seed, "phi": s.phi, "dof": s.dof, "n_refs": s.n_refs,
+                                "kind": d.kind, "onset_step": d.onset_step})
+    finally:
+        rl.T = saved
+    print(f"\n{n} no-change candidates of {steps} steps: {len(flagged)} flagged "
+          + ", ".join(f"seed {f['seed']} ({f['n_refs']} refs, phi {f['phi']}, {f['kind']} at {f['onset_step']})"
+                      for f in flagged))
+    return {"steps": steps, "n": n, "flagged": len(flagged), "which": flagged}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-kind", type=int, default=40, help="comparisons per change kind (default: 40)")
@@ -128,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                          "(default 80; --quick 10; 0: none)")
     ap.add_argument("--held-out-from", type=int, default=HELD_OUT_FIRST, metavar="SEED",
                     help=f"first held-out seed (default {HELD_OUT_FIRST})")
+    ap.add_argument("--long-steps", type=int, default=0, metavar="T",
+                    help="also score --long-n no-change candidates (seeds 0..) whose runs are T steps long "
+                         "(a long run is tested at more positions); results go to divergence_quality_long.json")
+    ap.add_argument("--long-n", type=int, default=24, metavar="N", help="no-change candidates at --long-steps")
     ap.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
                     help="a DivergenceConfig option (repeatable), e.g. var_persist=12; results of a run "
                          "with options or --held-out-from go to divergence_quality_options.json")
@@ -144,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nheld-out seeds {first}-{first + held - 1}:")
         held_res = evaluate(held, config, first)
         _print(held_res)
+    long_run = _long_run(args.long_steps, args.long_n, config) if args.long_steps else None
     took = time.perf_counter() - t0
     false, early, missed, med = _totals(res)
     base_false, base_early, _, _ = _totals(res, "threshold-5sd")
@@ -168,11 +195,18 @@ def main(argv: list[str] | None = None) -> int:
             + f"; median {h_med} steps", "-", "-", "0 false, 0 early", h_false + h_early == 0))
     for r in (r for x in (res, held_res) for row in x.values() for r in row.values()):
         r.pop("delays", None)
-    default = not args.detector and args.held_out_from == HELD_OUT_FIRST
-    name = "divergence_quality" if default else "divergence_quality_options"  # README's figures: the default run
+    if long_run is not None:
+        if not args.detector and held == 0:  # a run for the long figure only: its one row in the README table
+            summary.clear()
+        summary.append(summary_row(
+            f"divergence, {args.long_n} no-change candidates of {args.long_steps} steps: flagged",
+            f"{long_run['flagged']} of {args.long_n}", "-", "-", "0", long_run["flagged"] == 0))
+    default = not args.detector and args.held_out_from == HELD_OUT_FIRST and long_run is None
+    name = ("divergence_quality" if default else "divergence_quality_long" if long_run is not None and not args.detector
+            else "divergence_quality_options")  # README's figures: the default run, and the long one
     write_result(name, {"env": env_info(), "per_kind": per_kind, "held_out_per_kind": held, "quick": args.quick,
                         "seconds": took, "config": repr(config), "scenarios": res, "held_out": held_res,
-                        "summary": summary})
+                        "long_run": long_run, "summary": summary})
     print(f"\n{took:.1f} s; written bench/results/{name}.json")
     return 0
 

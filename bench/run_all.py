@@ -23,9 +23,11 @@ from bench._common import RESULTS
 
 BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "log_stall", "load_histories", "callback_overhead",
               "divergence_quality", "divergence_speed", "report_build", "dashboard_load", "install_footprint", "journal_scale",
-              "team_load", "logits_memory")
+              "team_load", "logits_memory", "entropy_cache")
 # rows of results `run_all` does not produce itself (a longer run of a benchmark, by its own command)
-TABLE = (*BENCHMARKS[:3], "overhead_d1024", *BENCHMARKS[3:])  # python -m bench.overhead --d-model 1024 ...
+TABLE = (*BENCHMARKS[:3], "overhead_d1024", *BENCHMARKS[3:8], "divergence_quality_long", *BENCHMARKS[8:])
+# overhead_d1024: python -m bench.overhead --d-model 1024 --blocks 6 --block-steps 4;
+# divergence_quality_long: python -m bench.divergence_quality --long-steps 100000 --held-out 0 --per-kind 1
 COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 
 

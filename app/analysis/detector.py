@@ -89,9 +89,9 @@ class NoiseModel(NamedTuple):
     change_sd: tuple[float, ...]  # per change_windows pair: sd of (recent median - the one before) under no change
     threshold: tuple[float, ...]  # per trailing window, in null sd (>= k; raised by the references' bursts)
     ref_nonfinite: bool  # some reference logs non-finite values itself
-    diff_scale: float = 0.0  # robust sd of the references' step-to-step changes (what `candidate_scale` measures)
-    var_bar: float = 2.5  # candidate scale / diff_scale that is a variance departure (>= var_ratio; self-calibrated)
-    change_bar: tuple[float, ...] = ()  # per change_windows pair, in change sd (>= k_change; self-calibrated)
+    diff_scale: float  # robust sd of the references' step-to-step changes (what `candidate_scale` measures)
+    var_bar: float  # candidate scale / diff_scale that is a variance departure (>= var_ratio; self-calibrated)
+    change_bar: tuple[float, ...]  # per change_windows pair, in change sd (>= k_change; self-calibrated)
 
 
 def ar_mean_var(m: int, phi: float) -> float:
@@ -353,7 +353,7 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         # every window at every step where it is 60% full: whether a window counts never depends on
         # how long the candidate is now, so a prefix of the run reports what the whole run reports there
         tests = [(m, level[m], th, m, m, sd) for m, th, sd in zip(config.windows, noise.threshold, noise.null_sd)]
-        for ci, ((q, p), sd) in enumerate(zip(config.change_windows, noise.change_sd)):
+        for (q, p), sd, change_bar in zip(config.change_windows, noise.change_sd, noise.change_bar):
             before = np.roll(trailing(p), q)
             before[:q] = np.nan
             zc = (trailing(q) - before) / sd
@@ -363,8 +363,7 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             lvl = level[end_m]
             bar = noise.threshold[list(config.windows).index(end_m)]
             zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
-            tests.append((q, zc, noise.change_bar[ci] if ci < len(noise.change_bar) else config.k_change, end_m,
-                          q + p, sd))
+            tests.append((q, zc, change_bar, end_m, q + p, sd))
     out: list[Stretch] = []
     # Level departures: any test beyond its bar; each stretch ends once the reporting window's level
     # is back under half its bar for as many steps as the window is long. Where each test is beyond its
