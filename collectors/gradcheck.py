@@ -124,6 +124,34 @@ def collect_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Itera
     return out
 
 
+def check_max_norm(max_norm: float | None) -> None:
+    """A clear error for a `max_norm` that cannot be clipped to (before anything of the step is logged)."""
+    if max_norm is None:
+        return
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm={max_norm!r}: pass the positive finite total norm to clip the gradients to "
+                         "(1.0 is usual in RL), or None to leave clipping to your own clip_grad_norm_ call")
+
+
+def clip_grads(entries: list[GradEntry], max_norm: float, total_norm: float) -> float:
+    """Scale the gradients in place by `min(1, max_norm / (total_norm + 1e-6))`, the coefficient of
+    `torch.nn.utils.clip_grad_norm_`, from a norm already measured (global under DDP/FSDP); the
+    coefficient. A non-finite or float32-overflowed norm clips nothing (1.0)."""
+    check_max_norm(max_norm)
+    if not math.isfinite(total_norm):
+        return 1.0
+    coef = max_norm / (total_norm + 1e-6)
+    if coef >= 1.0 or not entries:
+        return 1.0
+    plain = [e.grad for e in entries if e.grad.layout == torch.strided and e.grad is e.local]
+    if plain:
+        torch._foreach_mul_(plain, coef)  # clip_grad_norm_'s own call; the slow path for mixed devices
+    for e in entries:
+        if not (e.grad.layout == torch.strided and e.grad is e.local):
+            e.grad.mul_(coef)  # DTensor (its local shard), FlatParameter, sparse
+    return coef
+
+
 def named_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Parameter]):
     """`[(name, gradient)]` of the parameters that hold a gradient, each as this rank measures it (see
     `collect_grads`); unnamed parameters are called `param.<i>`."""

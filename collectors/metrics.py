@@ -36,19 +36,33 @@ def _valid(mask: Tensor | None, like: Tensor) -> Tensor:
     return mask.bool()
 
 
+def _masked_means(terms: list[Tensor], m: Tensor, count: Tensor) -> Tensor:
+    """Masked means of several same-shaped terms at once, `[len(terms)]`: one stack, one `where`, one sum
+    (a step's metrics are a few dozen tiny ops otherwise; each costs its dispatch). `count`: the valid
+    positions, clamped to >= 1 (an empty batch gives 0)."""
+    x = torch.stack(terms) if len(terms) > 1 else terms[0][None]
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).flatten(1).sum(1)
+    return (total / count).detach()
+
+
+def _masked_maxes(terms: list[Tensor], m: Tensor, empty: Tensor) -> Tensor:
+    """Masked maxima of several same-shaped terms at once, `[len(terms)]`; `empty[i]` where none is valid."""
+    x = torch.stack(terms) if len(terms) > 1 else terms[0][None]
+    lowest = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    best = torch.where(m, x, lowest).flatten(1).amax(1) if m.numel() else lowest.expand(len(terms))
+    return torch.where(m.any(), best, empty.to(x.dtype)).detach()
+
+
 def masked_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
     """Mean of `x` over valid positions; 0 when none is valid. Masked values may be inf or NaN."""
     m = _valid(mask, x)
-    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
-    return (total / m.sum().clamp(min=1)).detach()
+    return _masked_means([x], m, m.sum().clamp(min=1))[0]
 
 
 def masked_max(x: Tensor, mask: Tensor | None = None, *, empty: float = 0.0) -> Tensor:
     """Max of `x` over valid positions; `empty` when none is valid."""
     m = _valid(mask, x)
-    lowest = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
-    best = torch.where(m, x, lowest).amax() if x.numel() else lowest
-    return torch.where(m.any(), best, torch.tensor(empty, dtype=x.dtype, device=x.device)).detach()
+    return _masked_maxes([x], m, torch.tensor([empty], device=x.device))[0]
 
 
 def _log_ratio(lp_new: Tensor, lp_old: Tensor, m: Tensor) -> Tensor:
@@ -147,8 +161,13 @@ class KLStats(NamedTuple):
     k1: Tensor
 
 
+def _kl_terms(lr: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token k3 `(r - 1) - log r` and k1 `-log r` (zero at masked positions, where `lr` is 0)."""
+    return r - 1.0 - lr, -lr
+
+
 def _kl(lr: Tensor, r: Tensor, m: Tensor) -> KLStats:
-    return KLStats(masked_mean(r - 1.0 - lr, m), masked_mean(-lr, m))
+    return KLStats(*_masked_means(list(_kl_terms(lr, r)), m, m.sum().clamp(min=1)).unbind())
 
 
 @torch.no_grad()
@@ -215,10 +234,11 @@ def reward_stats(rewards: Tensor) -> RewardStats:
     Non-finite rewards propagate on purpose: a NaN reward is a bug to see.
     """
     r = rewards.detach().float().reshape(-1)
-    n = torch.tensor(r.numel(), device=r.device)
-    mean = r.sum() / n.clamp(min=1)
-    var = ((r - mean) ** 2).sum() / (n - 1).clamp(min=1)
-    return RewardStats(mean, var.sqrt())
+    if r.numel() < 2:  # the count is known on the host: no device sync to branch on it
+        mean = r.sum() if r.numel() else r.new_zeros(())
+        return RewardStats(mean, torch.where(torch.isfinite(mean), 0.0, mean))
+    std, mean = torch.std_mean(r, correction=1)
+    return RewardStats(mean, std)
 
 
 class MismatchStats(NamedTuple):
@@ -233,12 +253,16 @@ def logprob_mismatch(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None 
     and max of `|exp(lp_trainer) - exp(lp_engine)|` (probability space; verl's `rollout_probs_diff_max`).
     """
     m = _valid(mask, lp_trainer)
+    d, dp = _mismatch_terms(lp_trainer, lp_engine, m)
+    return MismatchStats(masked_mean(d, m), *_masked_maxes([d, dp], m, torch.zeros(2, device=d.device)).unbind())
+
+
+def _mismatch_terms(lp_trainer: Tensor, lp_engine: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token `|lp_trainer - lp_engine|` and `|exp(lp_trainer) - exp(lp_engine)|`, 0 at masked positions."""
     zero = torch.zeros((), dtype=torch.float32, device=lp_trainer.device)
     a = torch.where(m, lp_trainer.float(), zero)
     b = torch.where(m, lp_engine.float(), zero)
-    d = (a - b).abs()
-    dp = (a.exp() - b.exp()).abs()
-    return MismatchStats(masked_mean(d, m), masked_max(d, m), masked_max(dp, m))
+    return (a - b).abs(), (a.exp() - b.exp()).abs()
 
 
 @torch.no_grad()
@@ -276,28 +300,27 @@ def worst_tokens(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None = No
     if lp_trainer.dim() == 1:  # one sample
         lp_trainer, lp_engine, m = lp_trainer[None], lp_engine[None], m[None]
         token_ids = None if token_ids is None else token_ids[None]
-    t = lp_trainer.shape[-1]
-    d = (lp_trainer.float() - lp_engine.float()).abs()
+    t = max(lp_trainer.shape[-1], 1)
+    a, b = lp_trainer.float(), lp_engine.float()
+    d = (a - b).abs()
     # NaN first (it is the worst disagreement), masked positions last: rank key +inf / -1 there
-    key = torch.where(torch.isnan(d), torch.full_like(d, float("inf")), d)
-    key = torch.where(m, key, torch.full_like(d, -1.0)).reshape(-1)
+    key = torch.where(m, d.nan_to_num(nan=float("inf"), posinf=float("inf")), -1.0).reshape(-1)
     k_eff = min(k, key.numel())
-    top = key.topk(k_eff).indices if k_eff else torch.zeros(0, dtype=torch.int64, device=d.device)
-    if k_eff < k:
-        top = torch.cat([top, torch.zeros(k - k_eff, dtype=torch.int64, device=d.device)])
-    valid = m.reshape(-1)[top] & (torch.arange(k, device=d.device) < k_eff)
-    none = torch.full((k,), -1, dtype=torch.int64, device=d.device)
-    zero = torch.zeros((k,), device=d.device)  # 0, not NaN: an empty step must not look non-finite
-    ids = token_ids.reshape(-1)[top].long() if token_ids is not None else none
-    return WorstTokens(
-        sample=torch.where(valid, top // max(t, 1), none), position=torch.where(valid, top % max(t, 1), none),
-        token_id=torch.where(valid, ids, none),
-        lp_trainer=torch.where(valid, lp_trainer.float().reshape(-1)[top], zero),
-        lp_engine=torch.where(valid, lp_engine.float().reshape(-1)[top], zero),
-        abs_diff=torch.where(valid, d.reshape(-1)[top], zero),
-    )
+    top = key.topk(k_eff).indices
+    valid = m.reshape(-1)[top]
+    if k_eff < k:  # fewer tokens than asked for: the rest are "none"
+        top = torch.cat([top, top.new_zeros(k - k_eff)])
+        valid = torch.cat([valid, valid.new_zeros(k - k_eff)])
+    # every value at the chosen positions in one gather; 0 (not NaN) where none: an empty step must not
+    # look non-finite; -1 for where
+    vals = torch.where(valid, torch.stack([a, b, d]).reshape(3, -1)[:, top] if key.numel() else 0.0, 0.0)
+    ids = token_ids.reshape(-1)[top].long() if token_ids is not None and key.numel() else top.new_full((k,), -1)
+    where = torch.where(valid, torch.stack([top // t, top % t, ids]), -1)
+    return WorstTokens(sample=where[0], position=where[1], token_id=where[2], lp_trainer=vals[0],
+                       lp_engine=vals[1], abs_diff=vals[2])
 
 
+@torch.no_grad()
 @torch.no_grad()
 def policy_metrics(
     lp_new: Tensor,
@@ -323,29 +346,47 @@ def policy_metrics(
     logprobs, and the token id when `token_ids` `[B, T]` are given) rides in the same transfer.
     """
     m, lr, r = _prepared(lp_new, lp_old, mask)  # once, for every ratio-based metric
-    out: dict[str, Tensor] = {
-        keys.BATCH_TOKENS: m.sum().float(),
-        keys.BATCH_SEQUENCES: m.any(-1).sum().float(),
-        keys.CLIP_RATE: masked_mean(_outside(r, eps_low, eps_high), m),
-        keys.CLIP_RATE_SEQ: masked_mean(_outside(_sequence_ratio(lr, m), eps_low, eps_high), m.any(-1)),
-    }
+    count = m.sum()
+    seq_valid = m.any(-1)
+    # Every token-level mean in one masked sum and every max in one masked max: the few dozen tiny ops
+    # these metrics are one at a time cost more in dispatch than in arithmetic (bench.overhead).
+    means: dict[str, Tensor] = {keys.CLIP_RATE: _outside(r, eps_low, eps_high), keys.RATIO_MEAN: r - 1.0}
+    means.update(zip((keys.KL_NEW_OLD, keys.KL_NEW_OLD_K1), _kl_terms(lr, r)))
+    maxes: dict[str, tuple[Tensor, float]] = {keys.RATIO_MAX: (r, 1.0)}
     if advantages is not None:
-        out[keys.CLIP_ACTIVE_RATE] = masked_mean(_active(r, advantages.to(r.device), eps_low, eps_high), m)
-    rs = _ratio_stats(r, m)
-    out[keys.RATIO_MEAN], out[keys.RATIO_MAX] = rs.mean, rs.max
-    kl = _kl(lr, r, m)
-    out[keys.KL_NEW_OLD], out[keys.KL_NEW_OLD_K1] = kl.k3, kl.k1
+        means[keys.CLIP_ACTIVE_RATE] = _active(r, advantages.to(r.device), eps_low, eps_high).float()
     if logits is not None:
-        out[keys.ENTROPY] = entropy_from_logits(logits, m)
+        if logits.dim() < 1:
+            raise ValueError("logits must be [..., V]; got a 0-d tensor")
+        h = token_entropy(logits)
+        _valid(m, h)  # logits for other positions than the logprobs': the error names both shapes
+        means[keys.ENTROPY] = h
+    mm = _mismatch_terms(lp_trainer_at_rollout, lp_old, m) if lp_trainer_at_rollout is not None else None
+    if mm is not None:
+        means[keys.MISMATCH_LOGPROB_MEAN] = mm[0]
+        maxes[keys.MISMATCH_LOGPROB_MAX], maxes[keys.MISMATCH_PROB_MAX] = (mm[0], 0.0), (mm[1], 0.0)
+    mean_v = _masked_means(list(means.values()), m, count.clamp(min=1)).unbind()
+    empty = torch.tensor([e for _, e in maxes.values()], device=r.device)
+    max_v = _masked_maxes([x for x, _ in maxes.values()], m, empty).unbind()
+    got = dict(zip(means, mean_v)) | dict(zip(maxes, max_v))
+    got[keys.RATIO_MEAN] = 1.0 + got[keys.RATIO_MEAN]
+    out: dict[str, Tensor] = {
+        keys.BATCH_TOKENS: count.float(),
+        keys.BATCH_SEQUENCES: seq_valid.sum().float(),
+        keys.CLIP_RATE: got[keys.CLIP_RATE],
+        keys.CLIP_RATE_SEQ: masked_mean(_outside(_sequence_ratio(lr, m), eps_low, eps_high), seq_valid),
+    }
+    for key in (keys.CLIP_ACTIVE_RATE, keys.RATIO_MEAN, keys.RATIO_MAX, keys.KL_NEW_OLD, keys.KL_NEW_OLD_K1,
+                keys.ENTROPY):
+        if key in got:
+            out[key] = got[key]
     if rewards is not None:
         rw = reward_stats(rewards)
         out[keys.REWARD_MEAN], out[keys.REWARD_STD] = rw.mean, rw.std
         out[keys.BATCH_REWARDS] = torch.tensor(float(rewards.numel()), device=rewards.device)
-    if lp_trainer_at_rollout is not None:
-        mm = logprob_mismatch(lp_trainer_at_rollout, lp_old, m)
-        out[keys.MISMATCH_LOGPROB_MEAN] = mm.logprob_abs_diff_mean
-        out[keys.MISMATCH_LOGPROB_MAX] = mm.logprob_abs_diff_max
-        out[keys.MISMATCH_PROB_MAX] = mm.prob_abs_diff_max
+    if mm is not None:
+        for key in (keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX):
+            out[key] = got[key]
     if lp_trainer_at_rollout is not None and lp_old.dim() <= 2:
         w = worst_tokens(lp_trainer_at_rollout, lp_old, m, token_ids=token_ids, k=1)
         out[keys.WORST_SAMPLE], out[keys.WORST_POSITION] = w.sample[0].float(), w.position[0].float()

@@ -34,6 +34,8 @@ from rldiag.collectors.gradcheck import (
     GradReport,
     LogitsProbe,
     build_report,
+    check_max_norm,
+    clip_grads,
     collect_grads,
     grad_norm_stats,
     shard_split,
@@ -112,6 +114,7 @@ class Monitor:
         metrics: Mapping[str, torch.Tensor | float] | None = None,
         scaler: Any = None,
         optimizer: Any = None,
+        max_norm: float | None = None,
     ) -> bool:
         """Check `model`'s gradients and log this step's values; True when the optimizer should step.
 
@@ -123,7 +126,14 @@ class Monitor:
         is logged as `grad/scaler_overflow` (no NaN alert), and step returns True on every non-finite step,
         since `scaler.step` skips those itself (see collectors/amp.py). Pass `loss` as the tensor: on a
         non-finite step its autograd graph gives the backward order that names where the NaN entered.
+
+        `max_norm`: clip the gradients to this total norm with the norm just checked, as
+        `torch.nn.utils.clip_grad_norm_(params, max_norm)` would, in place of that call: one pass over the
+        gradients instead of two, and no second all-reduce under DDP or FSDP (the norm is already global).
+        Only finite steps are clipped; under a GradScaler the coefficient comes from the unscaled norm, so
+        it may run before or after `scaler.unscale_`.
         """
+        check_max_norm(max_norm)
         entries = collect_grads(model)
         values: dict[str, torch.Tensor | float] = dict(metrics or {})
         if loss is not None:
@@ -169,6 +179,8 @@ class Monitor:
                         logged[f"rank{r}/{k}"] = per[r * len(values) + j]
             self.writer.log_metrics(logged, step)
             self._loss_check.update(self.session, step, got.get(keys.LOSS), report.finite)
+        if report.finite and max_norm is not None:
+            clip_grads(entries, max_norm, report.norm)
         if report.finite or not report.found:  # unknown: nothing to alert on or to skip
             return True
         if report.overflow:  # the scaler skips this step and lowers its scale: its own event, no alert

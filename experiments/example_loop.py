@@ -91,8 +91,7 @@ def run(cfg: LoopConfig, *, tracking_uri: str | None = None, progress: bool = Tr
                     lp_new.detach(), lp_old, mask, eps_low=cfg.eps, eps_high=cfg.eps, logits=comp_logits.detach(),
                     rewards=reward, lp_trainer_at_rollout=lp_new.detach() if epoch == 0 else None,
                 )
-                if mon.step(opt_step, model, loss=loss, metrics=stats):
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                if mon.step(opt_step, model, loss=loss, metrics=stats, max_norm=cfg.max_grad_norm):  # checks, clips
                     opt.step()
                 if first_bad is None and not mon.last_report.finite:
                     first_bad = opt_step

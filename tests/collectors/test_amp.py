@@ -270,3 +270,28 @@ def test_a_scaler_that_is_no_gradscaler_is_one_clear_error_and_a_disabled_one_ch
             mon.step(0, model, scaler=2.0)
         assert mon.step(1, model, scaler=torch.amp.GradScaler("cpu", enabled=False))
         assert mon.last_report.scale is None and mon.last_report.finite
+
+
+def test_max_norm_under_a_scaler_clips_by_the_unscaled_norm_before_or_after_unscale(sqlite_uri):
+    """Clipping through `Monitor.step(max_norm=...)` with the gradients still scaled trains the same weights
+    as the usual unscale_ -> clip_grad_norm_ -> scaler.step."""
+    ours, theirs = mlp(), mlp()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    norms = []
+    with Monitor("amp", run_name="max_norm", tracking_uri=sqlite_uri, policy="skip") as mon:
+        for step in range(4):
+            for model, opt, scaler in zip((ours, theirs), opts, scalers):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    y = model(x_batch(step, b=4))
+                scaler.scale(y.float().pow(2).mean() * 50).backward()
+            assert mon.step(step, ours, scaler=scalers[0], max_norm=0.5)  # clips the scaled gradients
+            scalers[1].unscale_(opts[1])
+            norms.append(torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5).item())
+            for opt, scaler in zip(opts, scalers):
+                scaler.step(opt)
+                scaler.update()
+    assert min(norms) > 0.5  # every step did clip
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, msg=name)

@@ -444,3 +444,39 @@ def test_probe_reset_between_watch_and_backward_does_not_crash_backward():
     probe.reset()
     y.sum().backward()  # the hook belongs to no checked step any more: it must stay silent
     assert probe.positions() == [] and x.grad is not None
+
+
+# --- clipping with the checked norm -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "under-the-norm"])
+def test_max_norm_clips_as_clip_grad_norm_would_with_the_norm_just_checked(sqlite_uri, max_norm):
+    ids = lm_batch()
+    ours, theirs = TinyLM(), TinyLM()
+    for m in (ours, theirs):
+        lm_loss(m(ids), ids).backward()
+    with Monitor("gradcheck", run_name="max_norm", tracking_uri=sqlite_uri, policy="skip") as mon:
+        assert mon.step(0, ours, max_norm=max_norm)
+    pre_clip = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm)
+    assert mon.last_report.norm == pytest.approx(pre_clip.item(), rel=1e-6)  # logged before clipping
+    assert (max_norm < pre_clip.item()) == (max_norm == 0.05)  # the first case does clip
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert_close(a.grad, b.grad, msg=name)
+    assert history(mlflow.MlflowClient(sqlite_uri), mon.run_id, keys.GRAD_NORM)[0] == pytest.approx(pre_clip.item(),
+                                                                                                   rel=1e-6)
+
+
+def test_max_norm_leaves_a_non_finite_step_alone_and_a_bad_value_is_refused_before_logging(sqlite_uri):
+    model, ids = TinyLM(), lm_batch()
+    with Monitor("gradcheck", run_name="max_norm-nan", tracking_uri=sqlite_uri, policy="warn") as mon:
+        (lm_loss(model(ids), ids) + nan_grad_through(model.head.weight)).backward()
+        before = model.embed.weight.grad.clone()
+        assert mon.step(0, model, max_norm=1e-3)  # warn: the step goes on, unclipped (no coefficient to take)
+        assert_close(model.embed.weight.grad, before)
+        assert torch.isnan(model.head.weight.grad).all()
+        for bad in (0.0, -1.0, float("nan"), float("inf"), "1.0"):
+            with pytest.raises(ValueError, match=r"max_norm=.*positive finite total norm"):
+                mon.step(1, model, loss=torch.tensor(2.0), max_norm=bad)
+    client = mlflow.MlflowClient(sqlite_uri)
+    assert history(client, mon.run_id, keys.GRAD_FINITE) == {0: 0.0}  # step 1 never logged half a step
+    assert history(client, mon.run_id, keys.LOSS) == {}

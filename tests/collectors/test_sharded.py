@@ -2,7 +2,8 @@
 FSDP1 (`FullyShardedDataParallel`, `use_orig_params` True and False). `Monitor` finds the shards without
 being told, takes the global pre-clip norm over all of them with the one SUM all-reduce it already makes,
 names a NaN parameter by its FQN on every rank, and under `skip` every rank skips, so the sharded model
-stays what a plain replica trained on the finite steps only would be."""
+stays what a plain replica trained on the finite steps only would be (clipped there by `max_norm` with that
+global norm, as `clip_grad_norm_` clips the replica's full gradients)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, kind: str)
                 dtensor_total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item()
                 full = [p.grad.full_tensor() for p in model.parameters()]
                 assert math.isnan(dtensor_total) or abs(torch.nn.utils.get_total_norm(full).item() - dtensor_total) < 1e-6
-            go = mon.step(step, model, loss=loss)
+            # clipped to half the norm by rldiag on the shards, as torch clips the replica's full gradients
+            go = mon.step(step, model, loss=loss, max_norm=0.5 * expected)
             report = mon.last_report
             zeroed = all(p.grad is None or int(torch.count_nonzero(local(p.grad).nan_to_num(1.0))) == 0
                          for p in model.parameters())
@@ -83,6 +85,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, kind: str)
                             "norm": report.norm, "expected": expected, "dtensor_total": dtensor_total,
                             "zeroed": zeroed})
             if go:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5 * expected)
                 opt.step()
                 ref_opt.step()
             opt.zero_grad()
@@ -146,7 +149,8 @@ def test_nan_in_a_shard_every_rank_agrees_and_skips(kind, tmp_path, sqlite_uri):
                     assert x["norm"] == pytest.approx(x["dtensor_total"], rel=1e-6)
             else:
                 assert math.isnan(x["norm"])
-        # both skips on both ranks: the sharded model is the plain replica trained on the finite steps
+        # both skips on both ranks: the sharded model is the plain replica trained (and clipped: max_norm,
+        # with the global norm on every rank) on the finite steps
         assert set(r["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
         for name, value in r["state"].items():
             assert _close(value, r["ref_state"][name]), name
