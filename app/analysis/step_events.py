@@ -108,11 +108,25 @@ class LikelyOverflows:
                 "grad/scaler_overflow)")
 
 
-def likely_overflows(h: Histories | None, run_id: str, params: dict[str, str] | None) -> LikelyOverflows | None:
-    """For a run whose params say `fp16` is true and which logged no `grad/scaler_overflow`: its non-finite
-    grad-norm steps, when each streak of them is shorter than LONG_STREAK logged steps and followed by a
-    finite one, and the loss is finite wherever it was logged at them (a NaN loss, a long streak or one
-    that lasts to the run's last step is what a real NaN looks like)."""
+@dataclass(frozen=True)
+class Streak:
+    """Consecutive logged grad-norm rows of an fp16 run that are non-finite."""
+
+    steps: tuple[int, ...]
+    closed: bool  # a finite row follows it (the scaler came out of it); False while it lasts to the last row
+    loss_finite: bool  # the loss is finite wherever it was logged at these steps
+
+    def overflow(self) -> bool | None:
+        """True: likely a scaler overflow; False: what a real NaN looks like; None: cannot tell yet (short,
+        finite loss, and nothing logged after it)."""
+        if not self.loss_finite or len(self.steps) >= LONG_STREAK:
+            return False
+        return True if self.closed else None
+
+
+def fp16_streaks(h: Histories | None, run_id: str, params: dict[str, str] | None) -> list[Streak] | None:
+    """For a run whose params say `fp16` is true and which logged no `grad/scaler_overflow`: its streaks of
+    non-finite grad-norm steps in logged rows (a trainer logs every N steps), else None."""
     if h is None or not params or str(params.get("fp16", "")).strip().lower() not in _TRUE:
         return None
     if h.get(run_id, keys.GRAD_SCALER_OVERFLOW) is not None:
@@ -122,20 +136,31 @@ def likely_overflows(h: Histories | None, run_id: str, params: dict[str, str] | 
     if not bad or norm is None:
         return None
     loss = h.get(run_id, keys.LOSS)
-    if loss is not None:
-        at = np.isin(loss.steps, bad)
-        if at.any() and not np.isfinite(loss.values[at]).all():
-            return None
-    hit = np.isin(norm.steps, bad)  # streaks in logged grad-norm rows (a trainer logs every N steps)
+    hit = np.isin(norm.steps, bad)
     edges = np.diff(np.r_[0, hit.astype(np.int8), 0])
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # ends: one past each streak
-    longest = int((ends - starts).max())
+    out = []
+    for a, e in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):  # e: one past the streak
+        steps = norm.steps[a:e]
+        finite = True
+        if loss is not None:
+            at = np.isin(loss.steps, steps)
+            finite = bool(np.isfinite(loss.values[at]).all())
+        out.append(Streak(tuple(int(x) for x in steps), bool(e < len(norm.steps)), finite))
+    return out
+
+
+def likely_overflows(h: Histories | None, run_id: str, params: dict[str, str] | None) -> LikelyOverflows | None:
+    """For a run whose params say `fp16` is true and which logged no `grad/scaler_overflow`: its non-finite
+    grad-norm steps, when each streak of them is shorter than LONG_STREAK logged steps and followed by a
+    finite one, and the loss is finite wherever it was logged at them (a NaN loss, a long streak or one
+    that lasts to the run's last step is what a real NaN looks like)."""
+    streaks = fp16_streaks(h, run_id, params)
     # the scaler halves its scale after an overflow and the next steps fit: a streak the run never came
     # out of (to its last logged step) is what a real NaN looks like, whatever the logged loss says
     # (transformers' Trainer replaces a NaN loss by the average of the last ones: logging_nan_inf_filter)
-    if longest >= LONG_STREAK or ends[-1] >= len(norm.steps):
+    if not streaks or not all(st.overflow() for st in streaks):
         return None
-    return LikelyOverflows(run_id, tuple(int(s) for s in bad), longest)
+    return LikelyOverflows(run_id, tuple(x for st in streaks for x in st.steps), max(len(st.steps) for st in streaks))
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,26 @@ class OverflowNote(StepEvent):
         return {"kind": "scaler_overflow", "source": SOURCE, "run_id": self.run_id, "run_name": self.run_name,
                 "steps": self.steps, "step": self.steps[-1], "time": time.time(),
                 "text": f"rldiag watch: run {name}: {self.summary}; not a NaN gradient"}
+
+
+@dataclass
+class LikelyOverflowNote(StepEvent):
+    """Non-finite grad-norm steps of an fp16 run rldiag did not watch that are likely loss-scaler overflows
+    (kind "likely_scaler_overflow"; see `rldiag.app.analysis.step_events.fp16_streaks`): told, never alerted.
+    Likely, not known: nothing such a run logs tells an overflow from a NaN gradient."""
+
+    run_id: str
+    run_name: str
+    steps: list[int]  # new this cycle
+    longest: int  # the longest streak of them, in logged rows
+    kind = "likely_scaler_overflow"
+
+    def as_dict(self) -> dict:
+        name = self.run_label()
+        return {"kind": self.kind, "source": SOURCE, "run_id": self.run_id, "run_name": self.run_name,
+                "steps": self.steps, "step": self.steps[-1], "time": time.time(),
+                "text": (f"rldiag watch: run {name}: non-finite grad norm at {len(self.steps)} step(s) "
+                         f"({', '.join(map(str, self.steps[:8]))}{' ...' if len(self.steps) > 8 else ''}) of an fp16 "
+                         f"run (fp16=True), at most {self.longest} in a row, each followed by finite steps, with a "
+                         "finite loss: likely loss-scaler overflows, which the GradScaler skips itself (not alerted; "
+                         "nothing this run logs tells them from NaN gradients)")}

@@ -16,7 +16,11 @@ Each poll cycle (one at a time, every `--interval` seconds):
 5. a step whose `loss` is NaN/inf while its gradients are not flagged is an alert of its own kind
    ("nonfinite_loss"); fp16 scaler overflows (`grad/scaler_overflow` = 1) are told once, in one
    "scaler_overflow" event per run and cycle to the sinks that record every event, never alerted
-   (`rldiag.app.analysis.step_events`).
+   (`rldiag.app.analysis.step_events`). A run rldiag did not watch logs an overflow as a non-finite
+   grad norm: in an fp16 run (params fp16 true) a streak of them shorter than 8 logged rows with a
+   finite loss, followed by a finite row, is told as a likely overflow ("likely_scaler_overflow", no
+   alert); while it lasts to a running run's last row it is held back (said in the log), and a NaN loss,
+   8 rows or a run that ends in it is alerted.
 With `--divergence`, candidates (tag rldiag.role=candidate) are also compared with the reference runs
 of their rldiag.group (`rldiag.app.analysis.divergence`), once per (run, metric).
 
@@ -35,11 +39,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rldiag.app.analysis.nan_events import bad_steps
-from rldiag.app.analysis.step_events import nonfinite_loss, scaler_overflows
+from rldiag.app.analysis.step_events import LONG_STREAK, fp16_streaks, nonfinite_loss, scaler_overflows
 from rldiag.app.data.histories import Histories, load_histories
 from rldiag.app.data.runs import pages
 from rldiag.app.data.store import Store, store_errors
-from rldiag.app.watch.events import LossAlert, OverflowNote, WatchAlert, divergence_event
+from rldiag.app.watch.events import LikelyOverflowNote, LossAlert, OverflowNote, WatchAlert, divergence_event
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import AlertDispatcher, MlflowTagSink, NonFiniteGradAlert
@@ -64,7 +68,9 @@ examples:
 A step is non-finite when grad/finite is 0, or grad/norm (or grad_norm, actor/grad_norm, ...) is NaN
 or inf (MLflow stores inf as 1.797e308; read back as inf). A NaN/inf loss beside finite gradients is an
 alert of its own kind (nonfinite_loss); fp16 scaler overflows (grad/scaler_overflow) are told, never
-alerted. The state file remembers what was already alerted, so a restarted watcher neither repeats nor
+alerted. In an fp16 run rldiag did not watch (params fp16=True), a short streak of non-finite grad norms
+with a finite loss is held back until the next finite row (then told as a likely scaler overflow) or
+alerted once it lasts 8 logged rows, has a NaN loss, or the run ends in it. The state file remembers what was already alerted, so a restarted watcher neither repeats nor
 misses an event.
 """
 
@@ -94,7 +100,8 @@ class CycleResult:
     seconds: float
     new_runs: list[str] = field(default_factory=list)
     skipped: int = 0  # runs of the watched experiments not read: ended before this watcher's window
-    notes: int = 0  # events told that are no alert (fp16 scaler overflows)
+    notes: int = 0  # events told that are no alert (fp16 scaler overflows, likely ones of unwatched fp16 runs)
+    pending: int = 0  # non-finite steps of running fp16 runs held back: a likely scaler overflow not yet over
 
 
 class Watcher:
@@ -161,17 +168,21 @@ class Watcher:
         runs, exp_names, skipped = self.runs_to_read(since)
         ids = [r.info.run_id for r in runs]
         self._h = load_histories(self.store, ids, WATCH_KEYS, previous=self._h) if ids else None
-        sent, self._notes = 0, 0
+        sent, self._notes, self._pending = 0, 0, 0
         for r in runs:
             sent += self._check_run(r, exp_names.get(r.info.experiment_id, ""))
         if self.divergence:
             sent += self._check_divergence(runs)
+        if self._pending:
+            log.info("rldiag watch: %d non-finite step(s) of running fp16 run(s) held back: likely loss-scaler "
+                     "overflows if the next logged rows are finite; alerted if they last %d logged rows, come with a "
+                     "NaN loss or the run ends in them", self._pending, LONG_STREAK)
         new = [i for i in ids if i not in self._seen]
         self._seen = set(ids)
         self.state.last_poll_ms = started_ms
         self.state.save()
         return CycleResult(len(ids), sent, self._h.fetched if self._h else 0, time.perf_counter() - t0, new, skipped,
-                           self._notes)
+                           self._notes, self._pending)
 
     def _check_run(self, run, experiment: str) -> int:
         run_id, name = run.info.run_id, run.info.run_name or ""
@@ -183,6 +194,8 @@ class Watcher:
         rs = self.state.run(run_id, name)
         fresh = set(rs.new_steps(np.array([b.step for b in found], np.int64)).tolist())
         todo = [b for b in found if b.step in fresh]
+        if todo:
+            todo = self._fp16_overflows(run, rs, todo)
         if not todo:
             return sent
         disp = self._dispatcher(run_id, rs)
@@ -193,6 +206,31 @@ class Watcher:
             rs.mark(b.step)
         self.state.save()  # per run, so a crash repeats as little as possible
         return sent + len(todo)
+
+    def _fp16_overflows(self, run, rs, todo: list) -> list:
+        """The bad steps to alert on, after those of an fp16 run rldiag did not watch (params fp16 true, no
+        grad/scaler_overflow) that are likely scaler overflows: a streak of non-finite grad norms shorter than
+        LONG_STREAK logged rows, with a finite loss, followed by a finite row, is told once as a likely
+        overflow (no alert); while such a streak still lasts to the last row of a running run it is held
+        back (pending, counted) until the run comes out of it or it reaches LONG_STREAK rows. A NaN loss, a
+        long streak, or one the run ended in is alerted."""
+        run_id, name = run.info.run_id, run.info.run_name or ""
+        streaks = fp16_streaks(self._h, run_id, dict(run.data.params))
+        if not streaks:
+            return todo
+        verdict = {s: st.overflow() for st in streaks for s in st.steps}
+        running = run.info.status == "RUNNING"
+        likely = [b.step for b in todo if verdict.get(b.step) is True]
+        held = [b.step for b in todo if verdict.get(b.step) is None and running]
+        new = rs.new_noted(LikelyOverflowNote.kind, likely)
+        if new:
+            longest = max(len(st.steps) for st in streaks if st.overflow())
+            self._dispatcher(run_id, rs).note(LikelyOverflowNote(run_id, name, new, longest))
+            rs.note(LikelyOverflowNote.kind, new)
+            self.state.save()
+            self._notes += 1
+        self._pending += len(held)
+        return [b for b in todo if b.step not in set(likely) | set(held)]
 
     def _check_loss(self, run_id: str, name: str, experiment: str) -> int:
         """Alert on each new step whose loss is non-finite while its gradients are not (kind

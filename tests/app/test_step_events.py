@@ -171,3 +171,13 @@ def test_an_fp16_trainer_rldiag_did_not_watch_gets_an_overflow_hint_beside_its_n
     infos = [unescape_md(i.value) for i in at.info]
     assert len(infos) == 1 and infos[0].startswith(hint), infos
     assert not at.success  # no all-clear
+    # the watcher goes by streak: both fp16 runs' first-step overflow is told as a likely one, not alerted;
+    # the real NaN (from step 4 to the end) is alerted at each of its steps
+    from rldiag.app.watch.loop import watch_once
+
+    res, events = watch_once(store_uri)
+    notes = {e["run_id"]: e["steps"] for e in events if e["kind"] == "likely_scaler_overflow"}
+    assert notes == {ids["fp16"]: [1], ids["nan"]: [1]}
+    alerted = sorted(e["step"] for e in events if e["kind"] == "nonfinite_grad" and e["run_id"] == ids["nan"])
+    assert alerted == [s for s in ev[ev.run_id == ids["nan"]]["step"].tolist() if s >= 4] and alerted[-1] == 8
+    assert res.alerts == len(alerted) and res.pending == 0

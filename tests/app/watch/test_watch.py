@@ -378,3 +378,46 @@ def test_once_says_what_it_skipped_and_all_reads_finished_runs(store_uri, tmp_pa
         assert cli_main(["watch", "--once", "--all", "--tracking-uri", store_uri, "--state", state]) == 1
     assert "2 run(s) read, 6 new alert(s)" in caplog.text and "skipped" not in caplog.text
     assert all(i in caplog.text for i in ids)
+
+
+def test_an_unwatched_fp16_run_holds_a_short_streak_back_then_tells_it_as_a_likely_overflow(store_uri, tmp_path,
+                                                                                          caplog):
+    # logged as transformers' MLflowCallback logs a Trainer(fp16=True) run (params fp16=True; grad_norm inf at a
+    # scaler overflow; loss through the Trainer's NaN filter): no grad/scaler_overflow tells overflows apart
+    t = 1_700_000_000_000
+    runs = {name: write_run(store_uri, name=name, params={"fp16": True}, finish=False)
+            for name in ("fp16", "ended-in-it", "real-nan")}
+    client = MlflowClient(store_uri)
+
+    def rows(run: str, norms: dict[int, float], nan_loss: bool = False) -> None:
+        log_raw(store_uri, runs[run], [p for s, v in norms.items() for p in (
+            ("grad_norm", v, t + s, s), ("loss", NAN if nan_loss and not math.isfinite(v) else 2.0, t + s, s))])
+
+    rows("fp16", {1: 3.0, 2: INF})
+    rows("ended-in-it", {1: 3.0, 2: INF})
+    rows("real-nan", {1: 3.0, 2: NAN}, nan_loss=True)  # a NaN loss is no overflow: alerted at once
+    client.set_terminated(runs["ended-in-it"])  # a run that ends in a streak never came out of it: alerted
+    alerts = tmp_path / "alerts.jsonl"
+    w = Watcher(open_store(store_uri), WatchState.load(tmp_path / "state.json"), [JsonlSink(alerts)])
+    with caplog.at_level(logging.INFO, logger="rldiag.watch"):
+        res = w.poll()
+    assert (res.alerts, res.pending) == (2, 1), read_events(alerts)
+    assert sorted((e["run_name"], e["step"]) for e in read_events(alerts) if e["kind"] == "nonfinite_grad") == [
+        ("ended-in-it", 2), ("real-nan", 2)]
+    assert "1 non-finite step(s) of running fp16 run(s) held back" in caplog.text
+
+    rows("fp16", {3: 2.5, 4: 2.4})  # the scaler came out of it: a likely overflow, told, not alerted
+    res = w.poll()
+    assert (res.alerts, res.pending, res.notes) == (0, 0, 1)
+    [note] = [e for e in read_events(alerts) if e["kind"] == "likely_scaler_overflow"]
+    assert note["run_name"] == "fp16" and note["steps"] == [2]
+    assert "likely loss-scaler overflows" in note["text"] and "not alerted" in note["text"]
+    assert w.poll().notes == 0  # told once
+
+    rows("fp16", {s: INF for s in range(5, 5 + 7)})  # 7 rows: still an overflow's length, held back
+    assert (w.poll().alerts, w.poll().pending) == (0, 7)
+    rows("fp16", {12: INF})  # the 8th in a row: more than a scale settles in, alerted from its first step
+    res = w.poll()
+    assert res.alerts == 8 and res.pending == 0
+    assert steps_of(read_events(alerts), runs["fp16"]) == list(range(5, 13))
+    w.close()
