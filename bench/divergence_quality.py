@@ -89,8 +89,17 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
             hit = [x for x in fired if x[0] >= x[2].onset]
             delays = [a - s.onset for a, _, s in hit]
             onset_err = [o - s.onset for _, o, s in hit if o is not None]
+            by_phi: dict[str, list] = {}  # how the noise's autocorrelation sets the delay (None: missed)
+            for a, _, s in found:
+                by_phi.setdefault(f"{s.phi:g}", []).append(None if a is None or a < s.onset else a - s.onset)
             out[det] = {"n": len(found), "fired": len(fired), "early_alarms": len(early), "detected": len(hit),
                         "missed": len(found) - len(fired),
+                        **({} if det != "rldiag" else {"time_to_alert_by_phi": {k: {"median": float(np.median([d for d in v if d is not None]))
+                                                     if any(d is not None for d in v) else None,
+                                                     "range": [min((d for d in v if d is not None), default=None),
+                                                               max((d for d in v if d is not None), default=None)],
+                                                     "missed": sum(d is None for d in v), "n": len(v)}
+                                                 for k, v in sorted(by_phi.items(), key=lambda kv: float(kv[0]))}}),
                         "median_time_to_alert": float(np.median(delays)) if delays else None,
                         "p90_time_to_alert": float(np.percentile(delays, 90)) if delays else None,
                         "median_onset_error": float(np.median(onset_err)) if onset_err else None,
@@ -108,6 +117,14 @@ def _print(res: dict) -> None:
             print(f"{change:10} {det:14} {r['fired']:>5} {fe:>11} {r.get('missed', '-')!s:>6} "
                   f"{r.get('median_time_to_alert', '-')!s:>12} {r.get('p90_time_to_alert', '-')!s:>5} "
                   f"{r.get('median_onset_error', '-')!s:>9}")
+
+
+def _print_by_phi(res: dict, change: str = "level3") -> None:
+    """Time to alert of one change kind by the noise's AR(1) phi (rldiag): median, range, missed / n."""
+    by = res.get(change, {}).get("rldiag", {}).get("time_to_alert_by_phi", {})
+    print(f"{change} by noise phi (rldiag): " + "; ".join(
+        f"phi {k}: median {v['median']} ({v['range'][0]}-{v['range'][1]}), missed {v['missed']}/{v['n']}"
+        for k, v in by.items()))
 
 
 def _totals(res: dict, det: str = "rldiag") -> tuple[int, int, dict, float | None]:
@@ -164,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = evaluate(per_kind, config)
     _print(res)
+    _print_by_phi(res)
     held_res = {}
     if held:
         first = max(args.held_out_from, per_kind)
         print(f"\nheld-out seeds {first}-{first + held - 1}:")
         held_res = evaluate(held, config, first)
         _print(held_res)
+        _print_by_phi(held_res)
     long_run = _long_run(args.long_steps, args.long_n, config) if args.long_steps else None
     took = time.perf_counter() - t0
     false, early, missed, med = _totals(res)

@@ -65,6 +65,7 @@ class DivergenceConfig:
     windows: tuple[int, ...] = (11, 21, 41, 81, 129)  # trailing medians tested, in compared steps
     change_windows: tuple[tuple[int, int], ...] = ((11, 33), (21, 65))  # (recent, before): the candidate vs its own past
     k_change: float = 7.5  # bar of a change, in sd of (recent median - the one before) under no change
+    k_change_loo: float = 6.5  # ... with 2+ references, whose leave-one-out scores raise it where they reach more
     detrend_window: int = 65  # steps of the wide smooth the noise is measured around
     seed_spread: float = 0.4  # prior seed-to-seed spread, in noise sd (all that 1 or 2 seeds can give)
     seed_spread_weight: float = 1.0  # the prior counts as this many seeds beside the references' estimate
@@ -81,8 +82,8 @@ class DivergenceConfig:
             raise ValueError(f"window={self.window}: use an odd number of steps >= 1, e.g. 9")
         if not self.windows or min(self.windows) < 3 or list(self.windows) != sorted(self.windows):
             raise ValueError(f"windows={self.windows}: use ascending window lengths of 3 steps or more, e.g. (5, 9, 17)")
-        if self.k <= 0 or self.detrend_window < 3 or self.var_ratio <= 1 or self.var_window < 5:
-            raise ValueError(f"invalid {self}: need k > 0, detrend_window >= 3, var_ratio > 1, var_window >= 5")
+        if self.k <= 0 or self.k_change <= 0 or self.k_change_loo <= 0 or self.detrend_window < 3 or self.var_ratio <= 1 or self.var_window < 5:
+            raise ValueError(f"invalid {self}: need k, k_change and k_change_loo > 0, detrend_window >= 3, var_ratio > 1, var_window >= 5")
         if self.nonfinite_persist < 1 or self.seed_spread < 0 or self.calibration_margin < 1 or self.var_persist < 1:
             raise ValueError(f"invalid {self}: need nonfinite_persist >= 1, seed_spread >= 0, calibration_margin >= 1, "
                              "var_persist >= 1")

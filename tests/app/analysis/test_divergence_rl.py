@@ -141,8 +141,28 @@ def test_a_long_run_gets_bars_from_its_references_left_out_in_turn(monkeypatch):
         d = detect_divergence(list(s.references), s.candidate)
         assert not d.diverged, (seed, d.departures[:2])
         noise = reference_model(tuple(s.references), config).noise
-        assert any(t > b + 0.01 for t, b in zip(noise.threshold, base)) or min(noise.change_bar) > config.k_change
+        assert any(t > b + 0.01 for t, b in zip(noise.threshold, base)) or min(noise.change_bar) > config.k_change_loo
     # and a 5-sd shift at step 300 of such a run is still found, within a few dozen steps
     s = rl.scenario(2, "level5")
     d = detect_divergence(list(s.references), s.candidate)
     assert d.diverged and d.kind == "level" and 0 <= d.alert_step - s.onset <= 40, d.departures[:2]
+
+
+def test_with_two_or_more_references_the_change_bar_starts_lower_and_finds_a_3_sd_shift_sooner():
+    # bench.divergence_rl seeds 32 (4 references, AR(0.75)) and 8 (4, AR(0.6)): a 3-sd shift at step 300.
+    # Their leave-one-out scores keep the change bars under 7.5: with the fixed 7.5 of one reference the
+    # first is missed and the second found 46 steps later than with the 2+-reference floor.
+    import bench.divergence_rl as rl
+    from rldiag.app.analysis.detector import reference_model
+
+    fixed = DivergenceConfig(k_change_loo=DivergenceConfig().k_change)
+    for seed, latest in ((32, 320), (8, 315)):
+        s = rl.scenario(seed, "level3")
+        d = detect_divergence(list(s.references), s.candidate)
+        assert d.diverged and s.onset <= d.alert_step <= latest, (seed, d.departures[:2])
+        old = detect_divergence(list(s.references), s.candidate, fixed)
+        assert not old.diverged or old.alert_step > d.alert_step + 30, (seed, old.departures[:2])
+        assert min(reference_model(tuple(s.references), DivergenceConfig()).noise.change_bar) < fixed.k_change
+    # one reference: nothing to leave out, the fixed bar
+    one = rl.scenario(3, "none", n_refs=1)
+    assert reference_model(tuple(one.references), DivergenceConfig()).noise.change_bar == (7.5, 7.5)

@@ -35,7 +35,7 @@ def test_report_and_watch_take_detector_options(store_uri, tmp_path):
     assert default.returncode == 0, default.stderr
     assert "cand: policy/ratio_mean leaves the reference band at step 10" in default.stdout  # step 100-ish
     strict = _rldiag("report", "--group", "g", "--tracking-uri", store_uri, "--quiet", "--out", str(tmp_path),
-                     "--detector", "k=50", "--detector", "k_change=50", cwd=tmp_path)
+                     "--detector", "k=50", "--detector", "k_change=50", "--detector", "k_change_loo=50", cwd=tmp_path)
     assert strict.returncode == 0, strict.stderr
     assert "leaves" not in strict.stdout and "cand: " in strict.stdout
     jsonl = tmp_path / "alerts.jsonl"
