@@ -414,6 +414,9 @@ class CandidateSummary:
     not_compared: tuple[str, ...]  # keys it logged with 0 steps compared, or that no reference logged
     no_reference: tuple[str, ...]  # those of not_compared that no reference logged
     last_logged: dict[str, int]  # key -> its last step, for metrics that stop while the run goes on
+    # its non-finite steps are likely fp16 loss-scaler overflows (`step_events.with_overflow_hints`: an fp16
+    # run rldiag did not watch); they stay non-finite steps, the headline says it beside them
+    likely_overflows: bool = False
 
     @property
     def first_nonfinite_step(self) -> int | None:

@@ -211,6 +211,15 @@ def nonfinite_loss(h: Histories | None, run_id: str) -> NonFiniteLoss | None:
     return NonFiniteLoss(run_id, tuple(steps), tuple(found[s] for s in steps), checked)
 
 
+def with_overflow_hints(summaries, h: Histories | None, params: dict[str, dict[str, str]] | None) -> list:
+    """`CandidateSummary`s with `likely_overflows` set where `likely_overflows` says so (their params:
+    run -> params); the others as they were."""
+    from dataclasses import replace
+
+    return [replace(s, likely_overflows=True) if s.nonfinite_steps
+            and likely_overflows(h, s.run_id, (params or {}).get(s.run_id)) is not None else s for s in summaries]
+
+
 def step_event_lines(h: Histories | None, run_ids, labels: dict[str, str],
                      params: dict[str, dict[str, str]] | None = None) -> tuple[list[str], list[str]]:
     """`(overflow lines, loss lines)`, one per run that has them: "<run>: scaler overflow: 3 steps (...)"

@@ -18,6 +18,7 @@ from rldiag.app.analysis.divergence import (
     detectable_text,
     size_text,
 )
+from rldiag.app.analysis.step_events import with_overflow_hints
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
 from rldiag.app.dashboard.selection import (
@@ -154,6 +155,9 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     else:
         table = data.divergence_rows(divs, sel.labels)
         summaries = data.summaries(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys), divs)
+        if any(x.nonfinite_steps for x in summaries):  # an fp16 run's likely overflows: its params say fp16
+            cfgs = data.configs(sel.uri, tuple(x.run_id for x in summaries if x.nonfinite_steps))
+            summaries = with_overflow_hints(summaries, h, {r: c.params for r, c in cfgs.items()})
         # `loaded` holds the signatures' own metrics too (page_keys), whatever the page charts
         causes = data.causes(sel.uri, loaded, tuple(refs), tuple(cands), data.runs_version(sel.runs, cands), summaries)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"

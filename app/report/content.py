@@ -31,6 +31,7 @@ from rldiag.app.analysis.divergence import (
     summarize,
 )
 from rldiag.app.analysis.nan_events import nan_events, unchecked_steps
+from rldiag.app.analysis.step_events import with_overflow_hints
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, nonfinite_table
 from rldiag.app.data.store import Store
@@ -135,7 +136,6 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
 
     divergences = compare_runs(histories, refs, cands, keys, divergence_config)
     divergence = divergence_frame(divergences)
-    summaries = tuple(summarize(divergences, histories, refs, cands, keys, divergence_config))
 
     figures = {key: metric_figure(key, histories.for_key(key, ids), labels=labels, reference_ids=refs,
                                   colors=colors, divergences=divergences.get(key, {}), options=options) for key in keys}
@@ -145,6 +145,8 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     nonfinite = nonfinite_table(histories, ids)
     nonfinite = nonfinite[nonfinite["key"].isin(keys)].reset_index(drop=True)
     configs = {r.info.run_id: RunConfig(dict(r.data.params), tags[r.info.run_id]) for r in runs}
+    summaries = tuple(with_overflow_hints(summarize(divergences, histories, refs, cands, keys, divergence_config),
+                                          histories, {r: c.params for r, c in configs.items()}))
     diff = config_diff(configs, labels=labels)
     diff = diff[~diff["name"].isin(ALERT_TAGS)].reset_index(drop=True)  # alert state: the NaN section says it
     causes = tuple(likely_causes(histories, configs, refs, cands, summaries=summaries, alerts=alerts))
@@ -242,7 +244,8 @@ def nonfinite_text(s: CandidateSummary) -> str | None:
     """ "non-finite gradients from step 4 (5 steps)", or None for finite gradients."""
     if not s.nonfinite_steps:
         return None
-    return f"non-finite gradients from step {s.nonfinite_steps[0]} ({_plural(len(s.nonfinite_steps), 'step')})"
+    hint = "; an fp16 run: likely loss-scaler overflows, see the NaN events" if s.likely_overflows else ""
+    return f"non-finite gradients from step {s.nonfinite_steps[0]} ({_plural(len(s.nonfinite_steps), 'step')}{hint})"
 
 
 def metric_note(s: CandidateSummary, key: str) -> str:

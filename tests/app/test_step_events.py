@@ -164,13 +164,20 @@ def test_an_fp16_trainer_rldiag_did_not_watch_gets_an_overflow_hint_beside_its_n
     for text in (rep.markdown, rep.html):
         assert hint in text
         assert "nan: non-finite grad norm" not in text and "ref: non-finite grad norm" not in text
-    assert any(line.startswith("fp16") and "non-finite gradients from step 1" in line for line in departure_lines(rep))
+    # the headline: non-finite gradients first, and for the fp16 run what they likely are
+    said = "non-finite gradients from step 1 (1 step; an fp16 run: likely loss-scaler overflows, see the NaN events)"
+    assert any(line.startswith("fp16") and said in line for line in departure_lines(rep))
+    assert any(line.startswith("nan") and "non-finite gradients from step 1" in line and "likely" not in line
+               for line in departure_lines(rep))
+    assert said in rep.markdown
     h = load_histories(open_store(store_uri), [ids["fp16"]], [keys.GRAD_NORM, keys.LOSS])
     assert likely_overflows(h, ids["fp16"], {"fp16": "False"}) is None  # no fp16, no hint
     at = app(store_uri, monkeypatch, "nan-events")
     infos = [unescape_md(i.value) for i in at.info]
     assert len(infos) == 1 and infos[0].startswith(hint), infos
     assert not at.success  # no all-clear
+    compare = " ".join(unescape_md(m.value) for m in app(store_uri, monkeypatch, "compare").markdown)
+    assert said in compare and compare.count("likely loss-scaler overflows") == compare.count(said) >= 1
     # the watcher goes by streak: both fp16 runs' first-step overflow is told as a likely one, not alerted;
     # the real NaN (from step 4 to the end) is alerted at each of its steps
     from rldiag.app.watch.loop import watch_once
