@@ -33,7 +33,7 @@ rather than in the next variant's steps.
 
 `--d-model 1024` is the same benchmark on a wider model (hidden 1024, 2 layers, 25 M parameters), where
 the matmuls weigh as they do in an LLM; it runs bare, rldiag, rldiag_ownclip, anomaly and bare_control only
-(`--variants`), about 2.3 s a step on one thread: README's run used `--blocks 6 --block-steps 4` (~4 min).
+(`--variants`), about 2.3 s a step on one thread: README's run used `--blocks 12 --block-steps 4` (~10 min).
 """
 
 from __future__ import annotations
