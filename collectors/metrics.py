@@ -45,12 +45,17 @@ def _masked_means(terms: list[Tensor], m: Tensor, count: Tensor) -> Tensor:
     return (total / count).detach()
 
 
-def _masked_maxes(terms: list[Tensor], m: Tensor, empty: Tensor) -> Tensor:
-    """Masked maxima of several same-shaped terms at once, `[len(terms)]`; `empty[i]` where none is valid."""
+def _masked_maxes(terms: list[Tensor], m: Tensor, empty: list[float]) -> Tensor:
+    """Masked maxima of several same-shaped terms at once, `[len(terms)]`; `empty[i]` where none is valid.
+    The constants are filled on the device (no host-to-device copy, which would wait for the GPU)."""
     x = torch.stack(terms) if len(terms) > 1 else terms[0][None]
-    lowest = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    lowest = x.new_full((), float("-inf"))
     best = torch.where(m, x, lowest).flatten(1).amax(1) if m.numel() else lowest.expand(len(terms))
-    return torch.where(m.any(), best, empty.to(x.dtype)).detach()
+    fallback = x.new_zeros(len(terms))
+    for i, e in enumerate(empty):
+        if e:
+            fallback[i] = e
+    return torch.where(m.any(), best, fallback).detach()
 
 
 def masked_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -62,7 +67,7 @@ def masked_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
 def masked_max(x: Tensor, mask: Tensor | None = None, *, empty: float = 0.0) -> Tensor:
     """Max of `x` over valid positions; `empty` when none is valid."""
     m = _valid(mask, x)
-    return _masked_maxes([x], m, torch.tensor([empty], device=x.device))[0]
+    return _masked_maxes([x], m, [empty])[0]
 
 
 def _log_ratio(lp_new: Tensor, lp_old: Tensor, m: Tensor) -> Tensor:
@@ -254,7 +259,7 @@ def logprob_mismatch(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None 
     """
     m = _valid(mask, lp_trainer)
     d, dp = _mismatch_terms(lp_trainer, lp_engine, m)
-    return MismatchStats(masked_mean(d, m), *_masked_maxes([d, dp], m, torch.zeros(2, device=d.device)).unbind())
+    return MismatchStats(masked_mean(d, m), *_masked_maxes([d, dp], m, [0.0, 0.0]).unbind())
 
 
 def _mismatch_terms(lp_trainer: Tensor, lp_engine: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
@@ -321,7 +326,6 @@ def worst_tokens(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None = No
 
 
 @torch.no_grad()
-@torch.no_grad()
 def policy_metrics(
     lp_new: Tensor,
     lp_old: Tensor,
@@ -366,8 +370,7 @@ def policy_metrics(
         means[keys.MISMATCH_LOGPROB_MEAN] = mm[0]
         maxes[keys.MISMATCH_LOGPROB_MAX], maxes[keys.MISMATCH_PROB_MAX] = (mm[0], 0.0), (mm[1], 0.0)
     mean_v = _masked_means(list(means.values()), m, count.clamp(min=1)).unbind()
-    empty = torch.tensor([e for _, e in maxes.values()], device=r.device)
-    max_v = _masked_maxes([x for x, _ in maxes.values()], m, empty).unbind()
+    max_v = _masked_maxes([x for x, _ in maxes.values()], m, [e for _, e in maxes.values()]).unbind()
     got = dict(zip(means, mean_v)) | dict(zip(maxes, max_v))
     got[keys.RATIO_MEAN] = 1.0 + got[keys.RATIO_MEAN]
     out: dict[str, Tensor] = {
@@ -383,7 +386,7 @@ def policy_metrics(
     if rewards is not None:
         rw = reward_stats(rewards)
         out[keys.REWARD_MEAN], out[keys.REWARD_STD] = rw.mean, rw.std
-        out[keys.BATCH_REWARDS] = torch.tensor(float(rewards.numel()), device=rewards.device)
+        out[keys.BATCH_REWARDS] = rewards.new_full((), float(rewards.numel()), dtype=torch.float32)
     if mm is not None:
         for key in (keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX):
             out[key] = got[key]
