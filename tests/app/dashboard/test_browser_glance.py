@@ -83,7 +83,9 @@ def test_compare_and_nan_events_at_1280x800(dash_store, tmp_path):
             page.goto(url + "nan-events")
             page.wait_for_selector(READY)
             page.get_by_text("Steps with non-finite gradients").wait_for()
+            # the table comes after its heading, once the episodes are computed (seconds on a loaded machine)
             rows = page.locator(".rldiag-table").first.locator("tbody tr")
+            rows.first.wait_for()
             assert rows.count() == 3  # unmasked: 40-41, 200, 250
             assert page.evaluate(CUT_CELLS_JS, ".rldiag-table td") == []
             page.get_by_text("unmasked, step 200: every step").click()
