@@ -89,17 +89,9 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
             hit = [x for x in fired if x[0] >= x[2].onset]
             delays = [a - s.onset for a, _, s in hit]
             onset_err = [o - s.onset for _, o, s in hit if o is not None]
-            by_phi: dict[str, list] = {}  # how the noise's autocorrelation sets the delay (None: missed)
-            for a, _, s in found:
-                by_phi.setdefault(f"{s.phi:g}", []).append(None if a is None or a < s.onset else a - s.onset)
             out[det] = {"n": len(found), "fired": len(fired), "early_alarms": len(early), "detected": len(hit),
                         "missed": len(found) - len(fired),
-                        **({} if det != "rldiag" else {"time_to_alert_by_phi": {k: {"median": float(np.median([d for d in v if d is not None]))
-                                                     if any(d is not None for d in v) else None,
-                                                     "range": [min((d for d in v if d is not None), default=None),
-                                                               max((d for d in v if d is not None), default=None)],
-                                                     "missed": sum(d is None for d in v), "n": len(v)}
-                                                 for k, v in sorted(by_phi.items(), key=lambda kv: float(kv[0]))}}),
+                        **({"time_to_alert_by_phi": _by_phi(found)} if det == "rldiag" else {}),
                         "median_time_to_alert": float(np.median(delays)) if delays else None,
                         "p90_time_to_alert": float(np.percentile(delays, 90)) if delays else None,
                         "median_onset_error": float(np.median(onset_err)) if onset_err else None,
@@ -119,11 +111,28 @@ def _print(res: dict) -> None:
                   f"{r.get('median_onset_error', '-')!s:>9}")
 
 
+def _by_phi(found: list) -> dict:
+    """Time to alert by the noise's AR(1) phi: median and range of the delays, and how many were missed
+    or alerted before the change (how the noise's autocorrelation sets the delay)."""
+    groups: dict[float, list] = {}
+    for a, _, s in found:
+        groups.setdefault(s.phi, []).append((a, s.onset))
+    out = {}
+    for phi in sorted(groups):
+        delays = [a - o for a, o in groups[phi] if a is not None and a >= o]
+        out[f"{phi:g}"] = {"median": float(np.median(delays)) if delays else None,
+                           "range": [min(delays), max(delays)] if delays else [None, None],
+                           "missed": sum(a is None for a, _ in groups[phi]),
+                           "early": sum(a is not None and a < o for a, o in groups[phi]), "n": len(groups[phi])}
+    return out
+
+
 def _print_by_phi(res: dict, change: str = "level3") -> None:
     """Time to alert of one change kind by the noise's AR(1) phi (rldiag): median, range, missed / n."""
     by = res.get(change, {}).get("rldiag", {}).get("time_to_alert_by_phi", {})
     print(f"{change} by noise phi (rldiag): " + "; ".join(
         f"phi {k}: median {v['median']} ({v['range'][0]}-{v['range'][1]}), missed {v['missed']}/{v['n']}"
+        + (f", early {v['early']}" if v["early"] else "")
         for k, v in by.items()))
 
 

@@ -136,19 +136,20 @@ def check_max_norm(max_norm: float | None) -> None:
 def clip_grads(entries: list[GradEntry], max_norm: float, total_norm: float) -> float:
     """Scale the gradients in place by `min(1, max_norm / (total_norm + 1e-6))`, the coefficient of
     `torch.nn.utils.clip_grad_norm_`, from a norm already measured (global under DDP/FSDP); the
-    coefficient. A non-finite or float32-overflowed norm clips nothing (1.0)."""
-    check_max_norm(max_norm)
+    coefficient. A non-finite or float32-overflowed norm clips nothing (1.0). `max_norm` as `check_max_norm`
+    passed it."""
     if not math.isfinite(total_norm):
         return 1.0
     coef = max_norm / (total_norm + 1e-6)
     if coef >= 1.0 or not entries:
         return 1.0
-    plain = [e.grad for e in entries if e.grad.layout == torch.strided and e.grad is e.local]
+    plain, other = [], []
+    for e in entries:  # plain dense gradients in one foreach call; DTensor, FlatParameter, sparse one by one
+        (plain if e.grad.layout == torch.strided and e.grad is e.local else other).append(e.grad)
     if plain:
         torch._foreach_mul_(plain, coef)  # clip_grad_norm_'s own call; the slow path for mixed devices
-    for e in entries:
-        if not (e.grad.layout == torch.strided and e.grad is e.local):
-            e.grad.mul_(coef)  # DTensor (its local shard), FlatParameter, sparse
+    for g in other:
+        g.mul_(coef)
     return coef
 
 

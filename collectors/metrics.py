@@ -205,6 +205,8 @@ def _entropy_rows(x: Tensor, ws: Workspace) -> Tensor:
 def token_entropy(logits: Tensor) -> Tensor:
     """Per-position entropy of `softmax(logits)`, `[..., V]` -> `[...]` float32 (NaN where every logit
     is `-inf`). Walks the rows in chunks (collectors/chunks.py): never a float32 copy of all the logits."""
+    if logits.dim() < 1:
+        raise ValueError("logits must be [..., V]; got a 0-d tensor")
     h = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     ws = Workspace(logits.device)
     budget = max(cache_budget(logits.device), logits.shape[-1])  # whole rows: [n, V] chunks, never 1-d ones
@@ -219,8 +221,6 @@ def entropy_from_logits(logits: Tensor, mask: Tensor | None = None) -> Tensor:
 
     Logits of `-inf` (masked vocabulary) contribute 0; positions that are all `-inf` must be masked.
     """
-    if logits.dim() < 1:
-        raise ValueError("logits must be [..., V]; got a 0-d tensor")
     h = token_entropy(logits)
     if mask is None:
         mask = ~torch.isnan(h)  # a position whose logits are all -inf has no distribution
@@ -360,8 +360,6 @@ def policy_metrics(
     if advantages is not None:
         means[keys.CLIP_ACTIVE_RATE] = _active(r, advantages.to(r.device), eps_low, eps_high).float()
     if logits is not None:
-        if logits.dim() < 1:
-            raise ValueError("logits must be [..., V]; got a 0-d tensor")
         h = token_entropy(logits)
         _valid(m, h)  # logits for other positions than the logprobs': the error names both shapes
         means[keys.ENTROPY] = h

@@ -230,7 +230,8 @@ class Watcher:
             self.state.save()
             self._notes += 1
         self._pending += len(held)
-        return [b for b in todo if b.step not in set(likely) | set(held)]
+        spared = {*likely, *held}
+        return [b for b in todo if b.step not in spared]
 
     def _check_loss(self, run_id: str, name: str, experiment: str) -> int:
         """Alert on each new step whose loss is non-finite while its gradients are not (kind
@@ -420,7 +421,8 @@ def loop(watcher: Watcher, interval: float, stop: threading.Event, *, once: bool
                       res.alerts)
             if once:
                 log.info("rldiag watch: one cycle: %d run(s) read, %d new alert(s), %d scaler-overflow note(s) (no "
-                         "alert), %d rows, %.2f s", res.runs, res.alerts, res.notes, res.fetched, res.seconds)
+                         "alert), %d step(s) held back (fp16, not yet told apart: not an all-clear), %d rows, %.2f s",
+                         res.runs, res.alerts, res.notes, res.pending, res.fetched, res.seconds)
                 if res.skipped:
                     log.info("rldiag watch: %d run(s) skipped: they ended before this watcher's window (%d s "
                              "before its first poll); --all reads finished runs too", res.skipped,
