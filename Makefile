@@ -33,7 +33,7 @@ $(PY):
 # builds of torchvision/torchaudio/torchcodec that break `import transformers`; text models need none.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[app,vllm,hf,dev]'
+	$(PIP) install -q -e '.[app,vllm,hf,dev,deepspeed]'
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import torch, mlflow, rldiag.collectors, rldiag.app.cli; assert torch.__version__.startswith('2.13'), torch.__version__"
 	touch $(STAMP)

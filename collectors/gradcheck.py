@@ -10,9 +10,10 @@ per-tensor check and reading the logits probe.
 Where the gradients are read (`collect_grads`): a DTensor gradient (FSDP2's `fully_shard`) through its
 local shard, an FSDP1 FlatParameter's gradient as this rank's shard of the original parameters it holds,
 a sparse gradient through its values. Names are the parameters' original names (FQNs), without FSDP1's
-or activation checkpointing's wrapper prefixes. Where no parameter holds a gradient (DeepSpeed ZeRO keeps
-its partitions in its own buffers; a call after `zero_grad`) the report says so (`found` False,
-`finite` None): unknown, never finite.
+or activation checkpointing's wrapper prefixes. DeepSpeed ZeRO (stages 1-3) keeps its gradients out of
+`.grad`: each rank's partition of them is read from the engine's buffers (collectors/compat/deepspeed.py)
+as a shard. Where no parameter holds a gradient (a call after `zero_grad` or `engine.step()`) the report
+says so (`found` False, `finite` None): unknown, never finite.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from torch import nn
 
 from rldiag.collectors import chunks
 from rldiag.collectors.chunks import Workspace, row_chunks
+from rldiag.collectors.compat import deepspeed
+from rldiag.collectors.compat.deepspeed import unwrap_engine
 from rldiag.collectors.compat.torch import (
     FLAT_PARAM,
     clean_fqn,
@@ -93,16 +96,19 @@ def collect_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Itera
     (`use_orig_params=True`: each a shard). How many ranks hold the same FSDP1 shard (NO_SHARD,
     HYBRID_SHARD) is read from the FSDP1 units when `params` is the module, else taken as 1.
     """
-    module = params if isinstance(params, nn.Module) else None
-    items = params.named_parameters() if module is not None else params
+    module = unwrap_engine(params) if isinstance(params, nn.Module) else None
+    items = module.named_parameters() if module is not None else params
     dt = dtensor_class()  # None unless torch.distributed.tensor is loaded: no DTensor can exist then
     flat_cls = flat_param_class()  # likewise torch.distributed.fsdp, for FSDP1
+    zero = deepspeed.loaded()  # DeepSpeed ZeRO keeps its gradients out of .grad
     fsdp1: dict[int, int] | None = None
     out = []
     for i, item in enumerate(items):
         name, p = item if isinstance(item, tuple) else (f"param.{i}", item)
         g = p.grad
         if g is None:
+            if zero and (piece := deepspeed.zero_local_grad(p)) is not None:  # this rank's partition of it
+                out.append(GradEntry(clean_fqn(name), piece, piece, sharded=True))
             continue
         flat = flat_cls is not None and isinstance(p, flat_cls)
         shard = flat or (flat_cls is not None and fsdp1_flattened(p))

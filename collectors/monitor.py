@@ -28,6 +28,7 @@ from torch import nn
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
 from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_report
+from rldiag.collectors.compat.deepspeed import fp16_loss_scale, unwrap_engine
 from rldiag.collectors.compat.torch import grads_unscaled, host_dtype, loss_scale_tensor
 from rldiag.collectors.gradcheck import (
     GradEntry,
@@ -72,12 +73,15 @@ class Monitor:
     of more than one rank): `per_rank` (also log each rank's values as `rank<r>/<key>`) and
     `grads_sharded` (plain-tensor gradients are shards: the total norm sums the ranks' squares; default
     False, DDP). FSDP2's DTensor gradients and FSDP1's (FlatParameter, or `use_orig_params=True`) are
-    recognised as shards without it, named by their original FQNs. Every rank creates a Monitor and
+    recognised as shards without it, named by their original FQNs. So are DeepSpeed ZeRO 1-3's gradient
+    partitions (out of `.grad`, read from the engine's buffers): pass the engine or its module, call
+    `step` after `engine.backward(loss)` and before `engine.step()`, and under `skip` leave out
+    `engine.step()` where it returns False (the partitions are zeroed). Every rank creates a Monitor and
     calls `step`; all ranks agree on the finite flag; rank 0 opens the run and writes.
 
-    A step where no parameter holds a gradient (DeepSpeed ZeRO's own buffers; a call after `zero_grad`)
-    is unknown, never finite: it logs `grad/found` = 0 and no `grad/norm` or `grad/finite`, warns once,
-    and returns True (there is nothing to skip).
+    A step where no parameter holds a gradient (a call after `zero_grad` or `engine.step()`) is unknown,
+    never finite: it logs `grad/found` = 0 and no `grad/norm` or `grad/finite`, warns once, and returns
+    True (there is nothing to skip).
     """
 
     def __init__(self, experiment: str = "rldiag", *, per_rank: bool = False, grads_sharded: bool = False,
@@ -134,11 +138,17 @@ class Monitor:
         it may run before or after `scaler.unscale_`.
         """
         check_max_norm(max_norm)
+        ds_scale = None
+        if isinstance(model, nn.Module):
+            ds_scale = fp16_loss_scale(model)  # a DeepSpeedEngine in fp16: its gradients are still scaled
+            model = unwrap_engine(model)  # a DeepSpeedEngine: its model's own parameter names
         entries = collect_grads(model)
         values: dict[str, torch.Tensor | float] = dict(metrics or {})
         if loss is not None:
             values[keys.LOSS] = loss.detach() if isinstance(loss, torch.Tensor) else loss
         scale_t = loss_scale_tensor(scaler)
+        if scale_t is None and ds_scale is not None:
+            scale_t = torch.tensor(ds_scale, dtype=host_dtype(_device_of(model, values)))
         if scale_t is not None:  # read in the same host transfer
             values[keys.GRAD_LOSS_SCALE] = scale_t
         if self.distributed:  # reduced by key: every rank lays its values out in the same (sorted) order
@@ -153,7 +163,7 @@ class Monitor:
             report, host = self._reduce(vec, n, list(values), entries, step)
         got = dict(zip(values.keys(), host[n : n + len(values)]))
         if scale_t is not None:
-            report = unscale_report(report, got[keys.GRAD_LOSS_SCALE], scaled=not grads_unscaled(scaler, optimizer),
+            report = unscale_report(report, got[keys.GRAD_LOSS_SCALE], scaled=ds_scale is not None or not grads_unscaled(scaler, optimizer),
                                     loss=got.get(keys.LOSS))
         if report.found and report.finite is False and not report.overflow and self.rank == 0:
             order, how = autograd_order(loss, model if isinstance(model, nn.Module) else None)
@@ -167,8 +177,8 @@ class Monitor:
         if not report.found and not self._warned_no_grads and self.rank == 0:
             self._warned_no_grads = True
             log.warning("rldiag: step %d: no parameter has a gradient, nothing was checked: logging %s = 0 and no "
-                        "%s or %s (call Monitor.step after backward() and before zero_grad(); DeepSpeed ZeRO keeps "
-                        "gradients out of .grad)", step, keys.GRAD_FOUND, keys.GRAD_NORM, keys.GRAD_FINITE)
+                        "%s or %s (call Monitor.step after backward() and before zero_grad(); under DeepSpeed after "
+                        "engine.backward() and before engine.step(), at the accumulation boundary)", step, keys.GRAD_FOUND, keys.GRAD_NORM, keys.GRAD_FINITE)
         if self.session is not None:
             logged = dict(got)
             logged.update(report.metrics())

@@ -1,21 +1,22 @@
 """rldiag's gradient check under DeepSpeed ZeRO 1, 2 and 3 on a CUDA machine: never a false all-clear.
 
-NOT RUN: DeepSpeed needs CUDA, and the development machines have none; the session that wrote this script
-did not run it. On a CUDA machine (one GPU is enough; `deepspeed --num_gpus 2` for two ranks):
+NOT RUN: DeepSpeed's fp16 needs CUDA ("Type fp16 is not supported on your device" on a CPU); ZeRO 1-3 in
+float32 and bf16 run on the CPU in tests/collectors/test_deepspeed.py. On a CUDA machine (one GPU is enough;
+`deepspeed --num_gpus 2` for two ranks):
 
-    pip install deepspeed 'rldiag[hf]'
+    pip install 'deepspeed>=0.19.8,<0.20' 'rldiag[hf]'
     deepspeed --num_gpus 1 tests/gpu/deepspeed_zero.py --stage 2
     deepspeed --num_gpus 2 tests/gpu/deepspeed_zero.py --stage 3
 
 A tiny random-init Llama (built from a config, nothing downloaded) trains 4 steps under the DeepSpeed engine
 in fp16 (DeepSpeed's own loss scaler); at step 2 a term that is 0 forward and NaN backward makes the
-gradient of `lm_head.weight` NaN. `Monitor.step` runs after `engine.backward` and before `engine.step`, as
-in a plain loop. What must hold, and what the script prints:
-  1. on no step does rldiag log `grad/finite` = 1 while it found no gradient: where ZeRO keeps the
-     gradients out of `.grad` (stages 2 and 3) the step logs `grad/found` = 0 (unknown) instead;
-  2. where it does find gradients (stage 1 before the reduce), the NaN step reads non-finite;
-  3. DeepSpeed's own view, for the reader still to be written: `engine.get_global_grad_norm()` and
-     `engine.skipped_steps` after each step (its overflow check skips the NaN step).
+gradient of `lm_head.weight` NaN. `Monitor.step(step, engine, ...)` runs after `engine.backward` and before
+`engine.step`, as in a plain loop. What must hold, and what the script prints:
+  1. every step's gradients are found (ZeRO's partitions, read from the engine): never `grad/found` = 0;
+  2. the NaN step reads non-finite, as a loss-scaler overflow (`grad/scaler_overflow`, no NaN alert: the
+     loss is finite and DeepSpeed's scale is above 1), and DeepSpeed skips it (`engine.skipped_steps`);
+  3. on the finite steps `grad/norm` is the unscaled norm, DeepSpeed's own `engine.get_global_grad_norm()`
+     (within fp16's precision), and `grad/loss_scale` is DeepSpeed's scale.
 Exit status 0 when 1 and 2 hold; each failure is printed.
 """
 
@@ -64,10 +65,12 @@ def main() -> int:
                 w = engine.module.lm_head.weight
                 loss = loss + 0.0 * ((w - w.detach()) ** 2).sum().sqrt()
             engine.backward(loss)
-            mon.step(step, engine.module, loss=loss)
+            scale = float(engine.optimizer.loss_scale)
+            mon.step(step, engine, loss=loss)
             report = mon.last_report
             engine.step()
             rows.append({"step": step, "found": report.found, "finite": report.finite, "norm": report.norm,
+                         "overflow": report.overflow, "scale": scale,
                          "ds_norm": float(engine.get_global_grad_norm() or math.nan),
                          "ds_skipped": int(engine.skipped_steps)})
         run_id = mon.run_id
@@ -77,12 +80,14 @@ def main() -> int:
         found = {m.step: m.value for m in client.get_metric_history(run_id, keys.GRAD_FOUND)}
         for r in rows:
             s = r["step"]
-            if not r["found"] and finite.get(s) == 1.0:
-                failures.append(f"step {s}: no gradient found, yet grad/finite = 1 (a false all-clear)")
-            if not r["found"] and found.get(s) != 0.0:
-                failures.append(f"step {s}: no gradient found and no grad/found = 0 logged")
-            if r["found"] and s == args.nan_step and r["finite"]:
-                failures.append(f"step {s}: gradients found, the NaN step read finite")
+            if not r["found"] or found.get(s) == 0.0:
+                failures.append(f"step {s}: no gradient found (ZeRO's partitions not read)")
+            if s == args.nan_step and (r["finite"] or not r["overflow"]):
+                failures.append(f"step {s}: the NaN step read finite={r['finite']}, overflow={r['overflow']}")
+            if s != args.nan_step and not (r["finite"] and math.isclose(r["norm"], r["ds_norm"], rel_tol=1e-2)):
+                failures.append(f"step {s}: norm {r['norm']} is not DeepSpeed's {r['ds_norm']} (finite={r['finite']})")
+            if s != args.nan_step and finite.get(s) != 1.0:
+                failures.append(f"step {s}: grad/finite = {finite.get(s)} logged, not 1")
         print(json.dumps({"stage": args.stage, "rows": rows}, indent=1, default=str))
         for f in failures:
             print("FAILED:", f)

@@ -1,0 +1,78 @@
+"""DeepSpeed ZeRO internals rldiag reads, in one place: where a parameter's gradient is after
+`engine.backward(loss)` and before `engine.step()`, as this rank holds it. ZeRO keeps gradients out of
+`.grad`:
+- stages 1 and 2: each rank owns a partition of the flat gradient; `param._hp_mapping` (None on a rank
+  that owns no piece of the parameter) locates this rank's fragment in it (`get_lp_grad_fragment`, what
+  `deepspeed.utils.safe_get_full_grad` reads before the all-reduce that assembles the full gradient);
+- stage 3: `param._z3_optimizer.get_local_fp32_grad_for_param(param)`, this rank's partition of the
+  parameter's gradient (`deepspeed.utils.safe_get_local_grad`).
+Every rank's piece is its own, so the squared norms add up over the ranks (shards held by one rank) and no
+collective is needed to read them. Nothing is imported from DeepSpeed: the attributes are read where a
+parameter has them (tests/collectors/test_deepspeed.py pins them against the installed DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+
+def loaded() -> bool:
+    """DeepSpeed has been imported in this process (no ZeRO parameter can exist otherwise)."""
+    return "deepspeed" in sys.modules
+
+
+def zero_local_grad(p: torch.nn.Parameter) -> Tensor | None:
+    """This rank's piece of `p`'s gradient under DeepSpeed ZeRO, flat, or None: `p` is no ZeRO parameter,
+    this rank owns none of it, or the engine holds no gradient now (before backward, after step, or
+    between the micro-batches of an accumulation)."""
+    z3 = getattr(p, "_z3_optimizer", None)
+    if z3 is not None and hasattr(p, "ds_id"):
+        try:
+            g = z3.get_local_fp32_grad_for_param(p)
+        except (KeyError, ValueError, AttributeError, RuntimeError):  # no partition of it reduced yet
+            return None
+        return None if g is None else g.reshape(-1)
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    try:
+        g = mapping.get_lp_grad_fragment(p._index_in_param_group)
+    except (ValueError, KeyError, IndexError, AttributeError):  # "only available immediately after backward"
+        return None
+    g = g.reshape(-1)
+    address = mapping.lp_fragment_address
+    if g.numel() == p.numel() and address.numel != p.numel():  # a whole-parameter buffer: this rank's part
+        g = g.narrow(0, address.start, address.numel)
+    return g
+
+
+def is_zero_param(p: torch.nn.Parameter) -> bool:
+    """`p` is managed by a ZeRO optimizer (stage 1-3), whether or not this rank owns a piece of it."""
+    return hasattr(p, "_hp_mapping") or (hasattr(p, "ds_id") and hasattr(p, "_z3_optimizer"))
+
+
+def unwrap_engine(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a `DeepSpeedEngine` (whose own parameter names carry a `module.` prefix), else
+    `module` itself."""
+    if loaded() and type(module).__name__ == "DeepSpeedEngine" and isinstance(getattr(module, "module", None),
+                                                                                torch.nn.Module):
+        return module.module
+    return module
+
+
+def fp16_loss_scale(module) -> float | None:
+    """The loss scale of a `DeepSpeedEngine` training in fp16 (its optimizer's `loss_scale`: the gradients
+    read between `engine.backward` and `engine.step` are the true ones times it), else None. Not run on
+    these machines: DeepSpeed's fp16 needs CUDA (tests/gpu/deepspeed_zero.py)."""
+    if not (loaded() and type(module).__name__ == "DeepSpeedEngine"):
+        return None
+    try:
+        if not module.fp16_enabled():
+            return None
+        scale = float(module.optimizer.loss_scale)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return scale

@@ -1,0 +1,167 @@
+"""DeepSpeed ZeRO 1, 2 and 3 on two real gloo processes (CPU: DeepSpeed's CPU accelerator). ZeRO keeps the
+gradients out of `.grad`; `Monitor.step`, called between `engine.backward(loss)` and `engine.step()`, reads
+each rank's partition from the engine's buffers, takes the global pre-clip norm over them (DeepSpeed's own
+`get_global_grad_norm()` on finite steps), names a NaN parameter by its name on every rank, and under
+`skip` every rank skips (rldiag zeroes the partitions, the loop leaves out `engine.step()`), so the model
+stays what a plain replica trained on the finite steps only would be. DeepSpeed's fp16 cannot run on a CPU
+("Type fp16 is not supported on your device"): that case is tests/gpu/deepspeed_zero.py's, for a GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+from mlflow import MlflowClient
+
+from tests.conftest import free_port
+
+STEPS = 5
+BACKWARD_NAN = 1  # rank 1's backward gives 1.bias a NaN gradient; DeepSpeed's reduce carries it on
+PARTITION_NAN = 3  # after backward, a NaN written into rank 1's own partition of 1.weight: only rank 1 sees it
+NAN_STEPS = (BACKWARD_NAN, PARTITION_NAN)
+CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")]
+
+
+def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, stage: int, dtype: str) -> None:
+    import copy
+
+    import deepspeed
+    import torch
+    from torch import nn
+
+    from rldiag.collectors import Monitor
+    from rldiag.collectors.compat.deepspeed import zero_local_grad
+    from tests.gloo_job import nan_bias_hook
+
+    os.environ.update({"MLFLOW_DISABLE_TELEMETRY": "true", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    torch.manual_seed(0)  # same initial weights on both ranks
+    plain = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    ref = copy.deepcopy(plain)  # a plain float32 replica: trained on the finite steps only
+    nan_now = [False]
+    plain[1].register_forward_hook(nan_bias_hook(lambda: nan_now[0]))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "gradient_clipping": 1.0}  # DeepSpeed clips (its default, spelled out): the replica is clipped alike
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine, _, _, _ = deepspeed.initialize(model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+                                           config=config)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    low = next(engine.module.parameters()).dtype
+
+    def x(r: int, step: int) -> torch.Tensor:
+        return torch.ones(2, 3) * (r + 1) * (1 + 0.25 * step)
+
+    results = []
+    with Monitor("deepspeed", run_name=f"zero{stage}-{dtype}", tracking_uri=uri, policy="skip",
+                 spill_dir=os.path.join(out_dir, f"spill{rank}")) as mon:
+        for step in range(STEPS):
+            nan_now[0] = rank == 1 and step == BACKWARD_NAN
+            loss = engine(x(rank, step).to(low)).float().pow(2).mean()
+            engine.backward(loss)
+            if rank == 1 and step == PARTITION_NAN:
+                with torch.no_grad():
+                    zero_local_grad(dict(engine.module.named_parameters())["1.weight"])[0] = float("nan")
+            # DeepSpeed averages the ranks' gradients: the replica's gradient of the mean of both ranks' losses
+            sum(ref(x(r, step)).pow(2).mean() for r in range(world)).div(world).backward()
+            expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+            go = mon.step(step, engine, loss=loss)
+            report = mon.last_report
+            pieces = [zero_local_grad(p) for p in engine.module.parameters()]
+            zeroed = all(int(torch.count_nonzero(g.float().nan_to_num(1.0))) == 0 for g in pieces if g is not None)
+            ds_norm = None
+            if go:
+                engine.step()  # DeepSpeed's own norm of this step's gradients, read after its step
+                ds_norm = float(engine.get_global_grad_norm())
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+                ref_opt.step()
+            ref_opt.zero_grad()
+            results.append({"step": step, "go": go, "found": report.found, "finite": report.finite,
+                            "names": report.nonfinite_params, "norm": report.norm, "expected": expected,
+                            "ds_norm": ds_norm, "zeroed": zeroed, "pieces": sum(g is not None for g in pieces)})
+        run_id = mon.run_id
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # the full weights (ZeRO 3)
+        state = {n: p.detach().float().tolist() for n, p in engine.module.named_parameters()}
+    ref_state = {n: p.detach().tolist() for n, p in ref.named_parameters()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"results": results, "run_id": run_id, "state": state, "ref_state": ref_state}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _close(a, b, tol: float) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    return abs(a - b) <= tol * (1 + abs(b))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("stage", "dtype"), CASES, ids=[f"zero{s}-{d}" for s, d in CASES])
+def test_nan_in_a_zero_partition_every_rank_agrees_and_skips(stage, dtype, tmp_path, sqlite_uri):
+    mp.start_processes(_worker, args=(2, free_port(), sqlite_uri, str(tmp_path), stage, dtype), nprocs=2,
+                       join=True, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # bf16 weights, inputs and gradients part from the float32 replica by a few per cent over the steps;
+    # DeepSpeed's own norm is of the same bf16 gradients rldiag reads
+    tol, norm_tol = (1e-5, 1e-5) if dtype == "fp32" else (2e-2, 5e-2)
+    for r in ranks:
+        res = r["results"]
+        # ZeRO's gradients were found (each rank holds a partition: never the "no gradient" unknown)
+        assert all(x["found"] for x in res) and all(x["pieces"] > 0 for x in res)
+        # every rank agrees: non-finite and skipped at both NaN steps only, its partitions zeroed there
+        assert [x["go"] for x in res] == [s not in NAN_STEPS for s in range(STEPS)]
+        assert [x["finite"] for x in res] == [s not in NAN_STEPS for s in range(STEPS)]
+        assert all(x["zeroed"] for x in res if x["step"] in NAN_STEPS)
+        # named by the model's own parameter names, once, whichever ranks' partitions hold the NaN
+        assert res[BACKWARD_NAN]["names"] == ["1.bias"]
+        assert res[PARTITION_NAN]["names"] == ["1.weight"]
+        for x in res:  # the global pre-clip norm over every rank's partition: the replica's, and DeepSpeed's
+            if x["finite"]:
+                assert x["norm"] == pytest.approx(x["expected"], rel=norm_tol)
+                assert x["norm"] == pytest.approx(x["ds_norm"], rel=1e-5)
+            else:
+                assert math.isnan(x["norm"])
+        # both skips on both ranks: the model is the plain replica trained on the finite steps
+        assert set(r["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+        for name, value in r["state"].items():
+            assert _close(value, r["ref_state"][name], tol), name
+    assert ranks[0]["state"] == ranks[1]["state"]
+    assert ranks[1]["run_id"] is None  # rank 0 logs
+
+    client = MlflowClient(sqlite_uri)
+    run_id = ranks[0]["run_id"]
+
+    def hist(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+    assert hist("grad/finite") == {s: float(s not in NAN_STEPS) for s in range(STEPS)}
+    assert hist("grad/found") == {}  # logged (as 0) only where no gradient was found: no step was unknown
+    norms = hist("grad/norm")
+    for x in ranks[0]["results"]:
+        if x["finite"]:
+            assert norms[x["step"]] == pytest.approx(x["ds_norm"], rel=1e-5)
+    tags = client.get_run(run_id).data.tags
+    assert tags["rldiag.alert.count"] == "2" and tags["rldiag.alert.first_step"] == str(BACKWARD_NAN)
+    last = json.loads(tags["rldiag.alert.last"])
+    assert last["step"] == PARTITION_NAN and last["params"] == ["1.weight"]
+
+
+def test_a_model_without_deepspeed_parameters_reads_as_before():
+    """`zero_local_grad` reads nothing from a plain parameter (no ZeRO attributes): such a model's check
+    is the plain one, and a parameter without a gradient is still left out (unknown, never finite)."""
+    import torch
+
+    from rldiag.collectors.compat.deepspeed import is_zero_param, zero_local_grad
+    from rldiag.collectors.gradcheck import collect_grads
+
+    lin = torch.nn.Linear(2, 2)
+    assert zero_local_grad(lin.weight) is None and not is_zero_param(lin.weight)
+    assert collect_grads(lin) == []
+    lin(torch.ones(1, 2)).sum().backward()
+    assert [(e.name, e.sharded) for e in collect_grads(lin)] == [("weight", False), ("bias", False)]
