@@ -165,3 +165,54 @@ def test_a_model_without_deepspeed_parameters_reads_as_before():
     assert collect_grads(lin) == []
     lin(torch.ones(1, 2)).sum().backward()
     assert [(e.name, e.sharded) for e in collect_grads(lin)] == [("weight", False), ("bias", False)]
+
+
+def _accumulation_worker(rank: int, world: int, port: int, uri: str, out_dir: str, stage: int) -> None:
+    import deepspeed
+    import torch
+    from torch import nn
+
+    from rldiag.collectors import Monitor
+
+    os.environ.update({"MLFLOW_DISABLE_TELEMETRY": "true", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           config=config)
+    rows = []
+    with Monitor("deepspeed", run_name=f"zero{stage}-accumulation", tracking_uri=uri, policy="warn",
+                 spill_dir=os.path.join(out_dir, f"spill{rank}")) as mon:
+        for step in range(3):
+            for micro in range(2):
+                loss = engine(torch.ones(2, 3) * (rank + 1) * (1 + 0.25 * step + 0.1 * micro)).pow(2).mean()
+                engine.backward(loss)
+                boundary = engine.is_gradient_accumulation_boundary()
+                if boundary:  # once per optimizer step, over both micro-batches' gradients
+                    mon.step(step, engine, loss=loss)
+                engine.step()  # every micro-batch: DeepSpeed steps at the boundary
+                if boundary:
+                    r = mon.last_report
+                    rows.append({"found": r.found, "finite": r.finite, "norm": r.norm,
+                                 "ds_norm": float(engine.get_global_grad_norm())})
+    Path(out_dir, f"acc{rank}.json").write_text(json.dumps(rows))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_under_gradient_accumulation_the_boundary_norm_is_deepspeeds(stage, tmp_path, sqlite_uri):
+    """Two micro-batches per step: at the accumulation boundary the partitions hold both micro-batches'
+    gradients, and rldiag's norm of them is the one DeepSpeed clips by."""
+    mp.start_processes(_accumulation_worker, args=(2, free_port(), sqlite_uri, str(tmp_path), stage), nprocs=2,
+                       join=True, start_method="spawn")
+    for r in (0, 1):
+        rows = json.loads((tmp_path / f"acc{r}.json").read_text())
+        assert len(rows) == 3
+        for x in rows:
+            assert x["found"] and x["finite"]
+            assert x["norm"] == pytest.approx(x["ds_norm"], rel=1e-5)
