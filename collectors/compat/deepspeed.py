@@ -4,8 +4,9 @@
 - stages 1 and 2: each rank owns a partition of the flat gradient; `param._hp_mapping` (None on a rank
   that owns no piece of the parameter) locates this rank's fragment in it (`get_lp_grad_fragment`, what
   `deepspeed.utils.safe_get_full_grad` reads before the all-reduce that assembles the full gradient);
-- stage 3: `param._z3_optimizer.get_local_fp32_grad_for_param(param)`, this rank's partition of the
-  parameter's gradient (`deepspeed.utils.safe_get_local_grad`).
+- stage 3: `param._z3_optimizer._get_fp32_grad_state_partition(param)`, this rank's partition of the
+  parameter's gradient, the buffer itself (`deepspeed.utils.safe_get_local_grad` returns it as a float32
+  copy under bf16, which `skip` could not zero).
 Every rank's piece is its own, so the squared norms add up over the ranks (shards held by one rank) and no
 collective is needed to read them. Nothing is imported from DeepSpeed: the attributes are read where a
 parameter has them (tests/collectors/test_deepspeed.py pins them against the installed DeepSpeed).
@@ -30,9 +31,11 @@ def zero_local_grad(p: torch.nn.Parameter) -> Tensor | None:
     between the micro-batches of an accumulation)."""
     z3 = getattr(p, "_z3_optimizer", None)
     if z3 is not None and hasattr(p, "ds_id"):
-        try:
-            g = z3.get_local_fp32_grad_for_param(p)
-        except (KeyError, ValueError, AttributeError, RuntimeError):  # no partition of it reduced yet
+        if not p.requires_grad:
+            return None
+        try:  # the partition itself, in the training dtype: `skip` zeroes it in place
+            g, _ = z3._get_fp32_grad_state_partition(param=p, release_swap_buffers=True)
+        except (KeyError, ValueError, AttributeError, RuntimeError, TypeError):  # no partition of it reduced yet
             return None
         return None if g is None else g.reshape(-1)
     mapping = getattr(p, "_hp_mapping", None)

@@ -23,7 +23,7 @@ STEPS = 5
 BACKWARD_NAN = 1  # rank 1's backward gives 1.bias a NaN gradient; DeepSpeed's reduce carries it on
 PARTITION_NAN = 3  # after backward, a NaN written into rank 1's own partition of 1.weight: only rank 1 sees it
 NAN_STEPS = (BACKWARD_NAN, PARTITION_NAN)
-CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")]
+CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")]
 
 
 def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, stage: int, dtype: str) -> None:
