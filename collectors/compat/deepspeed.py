@@ -14,6 +14,7 @@ parameter has them (tests/collectors/test_deepspeed.py pins them against the ins
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -79,3 +80,26 @@ def fp16_loss_scale(module) -> float | None:
     except (AttributeError, TypeError, ValueError):
         return None
     return scale
+
+
+def zero_model(model: torch.nn.Module) -> bool:
+    """Some parameter of `model` is managed by a DeepSpeed ZeRO optimizer."""
+    return loaded() and any(is_zero_param(p) for p in model.parameters())
+
+
+def stepped_norm(optimizer) -> float | None:
+    """DeepSpeed's own pre-clip global norm of the step it has just taken: its ZeRO optimizer's
+    `_global_grad_norm` (what `engine.get_global_grad_norm()` returns), found behind accelerate's
+    `DeepSpeedOptimizerWrapper`; None where there is none or it is no finite norm (DeepSpeed stores inf
+    for a step it skipped)."""
+    inner = optimizer
+    for _ in range(3):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+        if inner is None or hasattr(inner, "_global_grad_norm"):
+            break
+        inner = getattr(inner, "optimizer", None)
+    value = getattr(inner, "_global_grad_norm", None)
+    try:
+        value = float(value) if value is not None else None
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return value if value is not None and math.isfinite(value) and value >= 0 else None

@@ -56,6 +56,7 @@ from rldiag.collectors import distributed, keys
 from rldiag.collectors.accumulated import AccumulatedGradCheck
 from rldiag.collectors.alerts import NonFiniteGradAlert
 from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_report
+from rldiag.collectors.compat import deepspeed
 from rldiag.collectors.compat.torch import loss_scale_tensor
 from rldiag.collectors.gradcheck import GradReport, LogitsProbe
 from rldiag.collectors.import_utils import require
@@ -152,6 +153,8 @@ class RldiagCallback(TrainerCallback):
         self._overflows = OverflowCounter()
         self._loss_check = LossCheck()
         self._shared_run = False  # logging into transformers' MLflowCallback run (report_to="mlflow")
+        self._zero = False  # DeepSpeed ZeRO through accelerate (its engine steps inside accelerator.backward)
+        self._warned_zero_skip = False
 
     # ---- wiring --------------------------------------------------------------------------------
     def attach(self, trainer: Any) -> RldiagCallback:
@@ -197,6 +200,7 @@ class RldiagCallback(TrainerCallback):
         if self._check is not None:  # a previous train() that raised without attach()
             self._check.remove()
         if model is not None:
+            self._zero = deepspeed.zero_model(model)
             self._check = AccumulatedGradCheck(model.named_parameters(), module=model)
             self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
             if self._probe_handle is not None:
@@ -234,6 +238,15 @@ class RldiagCallback(TrainerCallback):
                 report.norm = math.sqrt(shard_sq + rest_sq)  # NaN when any rank's is
             report = self._agree(report, any_rank_bad=bad_ranks != 0.0, shared=shared)
         scale = extra.pop() if scale_t is not None else None
+        norm_unknown = False
+        if self._zero and report is not None and report.finite:
+            # DeepSpeed ZeRO through accelerate: the hooks saw each rank's gradient before DeepSpeed reduced
+            # it, and the engine has stepped already (inside accelerator.backward); the norm of the reduced
+            # gradients is DeepSpeed's own. The finite flag stands: a NaN on any rank's gradient is one in
+            # the reduced gradient.
+            ds_norm = deepspeed.stepped_norm(optimizer)
+            norm_unknown = ds_norm is None
+            report.norm = ds_norm if ds_norm is not None else float("nan")
         if report is not None:
             # the norms were taken at the end of backward, before the Trainer's unscale_: still scaled
             report = unscale_report(report, scale, scaled=True, loss=extra[0] if extra else None)
@@ -253,6 +266,8 @@ class RldiagCallback(TrainerCallback):
                                 step)
             else:
                 values.update(report.metrics())
+                if norm_unknown:  # no norm is made up: the flag alone
+                    values.pop(keys.GRAD_NORM, None)
             self.session.writer.log_metrics(values, step)
             self._loss_check.update(self.session, step, extra[0] if extra else None,
                                     report.finite if report is not None else None)
@@ -276,6 +291,13 @@ class RldiagCallback(TrainerCallback):
             raise NonFiniteGradientError(NonFiniteGradAlert("", step, report.norm, report.nonfinite_params))
         else:
             step_anyway = self._policy == "warn"
+        if not step_anyway and self._zero:  # the engine stepped inside accelerator.backward, before this hook
+            if not self._warned_zero_skip:
+                self._warned_zero_skip = True
+                log.warning("rldiag: step %d: policy 'skip' cannot skip under DeepSpeed through accelerate (the "
+                            "engine has already stepped); DeepSpeed skips a non-finite step itself under fp16 and, "
+                            "in ZeRO 1-2 without bf16, with gradient_clipping set", step)
+            return
         if not step_anyway and report.scale is None:  # policy "skip"; under a scaler its step skips it
             for p in model.parameters():
                 if p.grad is not None:
