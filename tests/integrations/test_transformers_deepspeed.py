@@ -1,4 +1,4 @@
-"""The transformers callback under DeepSpeed ZeRO 2 through accelerate (`TrainingArguments(deepspeed=...)`),
+"""The transformers callback under DeepSpeed ZeRO 1, 2 and 3 through accelerate (`TrainingArguments(deepspeed=...)`),
 2 real gloo processes on the CPU (DeepSpeed's CPU accelerator), a NaN gradient on rank 1 at one step.
 
 accelerate runs `engine.step()` inside `accelerator.backward`, so when the callback's hook runs the engine
@@ -25,7 +25,7 @@ from tests.conftest import free_port
 NAN_STEP = 2  # optimizer step (global_step after it) whose backward is NaN on rank 1
 
 
-def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, uri: str, out: str, stage: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), MLFLOW_DISABLE_TELEMETRY="true")
     import torch
@@ -44,11 +44,11 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
 
     torch.manual_seed(0)
     ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                 "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+                 "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
                  "zero_allow_untested_optimizer": True}
     args = training_args(Path(out) / f"rank{rank}", per_device_train_batch_size=2, max_steps=4, deepspeed=ds_config)
     trainer = NanOnRank1(model=LlamaForCausalLM(llama_config()), args=args, train_dataset=lm_dataset(16))
-    RldiagCallback(experiment="deepspeed", run_name="zero2", tracking_uri=uri, policy="warn",
+    RldiagCallback(experiment="deepspeed", run_name=f"zero{stage}", tracking_uri=uri, policy="warn",
                    spill_dir=os.path.join(out, f"spill{rank}")).attach(trainer)
     trainer.train()
     logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
@@ -63,9 +63,10 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_under_deepspeed_the_callback_logs_deepspeeds_norm_and_flags_the_nan_step(sqlite_uri, tmp_path):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_under_deepspeed_the_callback_logs_deepspeeds_norm_and_flags_the_nan_step(stage, sqlite_uri, tmp_path):
     MlflowClient(sqlite_uri).search_experiments()  # migrate before two processes race to
-    mp.start_processes(_worker, args=(2, free_port(), sqlite_uri, str(tmp_path)), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(2, free_port(), sqlite_uri, str(tmp_path), stage), nprocs=2, join=True,
                        start_method="spawn")
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     assert r0["engine"] == "DeepSpeedEngine"  # the Trainer really trained under DeepSpeed
