@@ -87,3 +87,30 @@ def nan_weight_hook(when):
         return out + 0.0 * ((w - w.detach()) ** 2).sum().sqrt()
 
     return hook
+
+
+def assert_nan_run_logged(uri: str, run_id: str, *, steps: int, nan_steps: tuple[int, int],
+                          norms: dict[int, float], last_param: str) -> None:
+    """What rank 0 logged for a 2-rank job with NaN gradients at the two `nan_steps`: `grad/finite` per
+    step, one non-finite tensor at each, no step unknown (`grad/found` is logged only as 0), `grad/norm` =
+    `norms` on the finite steps, and two alerts, the last naming `last_param`."""
+    import json
+
+    import pytest
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+
+    def hist(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+    assert hist("grad/finite") == {s: float(s not in nan_steps) for s in range(steps)}
+    assert hist("grad/nonfinite_params") == {s: float(s in nan_steps) for s in range(steps)}
+    assert hist("grad/found") == {}
+    logged = hist("grad/norm")
+    for step, norm in norms.items():
+        assert logged[step] == pytest.approx(norm, rel=1e-5)
+    tags = client.get_run(run_id).data.tags
+    assert tags["rldiag.alert.count"] == "2" and tags["rldiag.alert.first_step"] == str(nan_steps[0])
+    last = json.loads(tags["rldiag.alert.last"])
+    assert last["step"] == nan_steps[1] and last["params"] == [last_param]

@@ -154,6 +154,7 @@ class RldiagCallback(TrainerCallback):
         self._loss_check = LossCheck()
         self._shared_run = False  # logging into transformers' MLflowCallback run (report_to="mlflow")
         self._zero = False  # DeepSpeed ZeRO through accelerate (its engine steps inside accelerator.backward)
+        self._trainer_norm: Any = None  # what accelerate's clip_grad_norm_ returned this step (attach() records it)
         self._warned_zero_skip = False
 
     # ---- wiring --------------------------------------------------------------------------------
@@ -174,6 +175,16 @@ class RldiagCallback(TrainerCallback):
                 return loss
 
             trainer.training_step = training_step
+            accelerator = getattr(trainer, "accelerator", None)
+            clip_fn = getattr(accelerator, "clip_grad_norm_", None)
+            if clip_fn is not None:  # the Trainer's own pre-clip norm (it clips, or measures, every optimizer step)
+
+                def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+                    norm = clip_fn(*args, **kwargs)
+                    self._trainer_norm = norm
+                    return norm
+
+                accelerator.clip_grad_norm_ = clip_grad_norm_
             train_fn = trainer.train
 
             def train(*args: Any, **kwargs: Any) -> Any:
@@ -224,8 +235,16 @@ class RldiagCallback(TrainerCallback):
             summary = self._check.device_summary(self._device, dist.get_world_size())
             dist.all_reduce(summary, op=dist.ReduceOp.SUM)
             extras += list(summary)
+        trainer_norm, self._trainer_norm = self._trainer_norm, None
+        norm_t = trainer_norm if isinstance(trainer_norm, torch.Tensor) and trainer_norm.numel() == 1 else None
+        if norm_t is not None:  # last in the one transfer
+            extras.append(norm_t)
         shared = self._check.sharded_names() if self._distributed else set()  # before collect() resets
         report, extra = self._check.collect(*extras)
+        if norm_t is not None:
+            trainer_norm = extra.pop()
+        elif not isinstance(trainer_norm, (int, float)):
+            trainer_norm = None
         watched = self._probe.watched()
         if report is not None and not report.finite:  # failure path only: read the probe's flags
             report.positions, report.nonfinite_positions = self._probe.positions(), self._probe.count()
@@ -238,15 +257,6 @@ class RldiagCallback(TrainerCallback):
                 report.norm = math.sqrt(shard_sq + rest_sq)  # NaN when any rank's is
             report = self._agree(report, any_rank_bad=bad_ranks != 0.0, shared=shared)
         scale = extra.pop() if scale_t is not None else None
-        norm_unknown = False
-        if self._zero and report is not None and report.finite:
-            # DeepSpeed ZeRO through accelerate: the hooks saw each rank's gradient before DeepSpeed reduced
-            # it, and the engine has stepped already (inside accelerator.backward); the norm of the reduced
-            # gradients is DeepSpeed's own. The finite flag stands: a NaN on any rank's gradient is one in
-            # the reduced gradient.
-            ds_norm = deepspeed.stepped_norm(optimizer)
-            norm_unknown = ds_norm is None
-            report.norm = ds_norm if ds_norm is not None else float("nan")
         if report is not None:
             # the norms were taken at the end of backward, before the Trainer's unscale_: still scaled
             report = unscale_report(report, scale, scaled=True, loss=extra[0] if extra else None)
@@ -255,6 +265,7 @@ class RldiagCallback(TrainerCallback):
                 report.origin = nan_origin(report.nonfinite_params, loss_value=extra[0] if extra else None,
                                            positions=[p.as_dict() for p in report.positions], watched=watched,
                                            how="hooks")
+        norm_unknown = self._reduced_norm(report, shared=shared, trainer_norm=trainer_norm, optimizer=optimizer)
         in_a_row = self._overflows.update(report) if report is not None else 0
         if self.session is not None:  # rank 0
             # in the trainer's run, `loss` is MLflowCallback's (filtered) value: the real one goes beside it
@@ -324,6 +335,27 @@ class RldiagCallback(TrainerCallback):
         logits = getattr(output, "logits", None)
         if isinstance(logits, torch.Tensor) and logits.requires_grad and logits.dim() >= 2:
             self._probe.watch(logits)
+
+    def _reduced_norm(self, report: GradReport | None, *, shared: set[str], trainer_norm: float | None,
+                      optimizer: Any) -> bool:
+        """Put the norm of the gradients the optimizer steps on into `report` where the hooks' own (each rank's
+        gradient before its reduction) is not it; True when that norm is not known (log the flag alone).
+        After `unscale_report`: both norms used here are unscaled already."""
+        if report is None or not report.finite or report.overflow:
+            return False
+        if self._zero:
+            # DeepSpeed ZeRO through accelerate: the engine has stepped already (inside accelerator.backward),
+            # and the norm of the reduced gradients is DeepSpeed's own. The finite flag stands: a NaN on any
+            # rank's gradient is one in the reduced gradient.
+            norm = deepspeed.stepped_norm(optimizer)
+        elif self._distributed and not shared:
+            # DDP: each rank's norm before the average does not make the averaged gradient's; the Trainer's own
+            # (accelerate's clip_grad_norm_, recorded by attach()) is of the averaged gradients.
+            norm = trainer_norm if trainer_norm is not None and math.isfinite(trainer_norm) else None
+        else:  # one process, or FSDP shards (their squares add up): the hooks' norm is the one
+            return False
+        report.norm = float(norm) if norm is not None else float("nan")
+        return norm is None
 
     def _agree(self, report: GradReport | None, *, any_rank_bad: bool, shared: set[str]) -> GradReport | None:
         """The step as every rank sees it: on a non-finite step (on any rank), every rank's names (a

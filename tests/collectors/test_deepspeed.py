@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from mlflow import MlflowClient
 
 from tests.conftest import free_port
+from tests.gloo_job import assert_nan_run_logged
 
 STEPS = 5
 BACKWARD_NAN = 1  # rank 1's backward gives 1.bias a NaN gradient; DeepSpeed's reduce carries it on
@@ -134,22 +134,10 @@ def test_nan_in_a_zero_partition_every_rank_agrees_and_skips(stage, dtype, tmp_p
     assert ranks[0]["state"] == ranks[1]["state"]
     assert ranks[1]["run_id"] is None  # rank 0 logs
 
-    client = MlflowClient(sqlite_uri)
-    run_id = ranks[0]["run_id"]
-
-    def hist(key: str) -> dict[int, float]:
-        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
-
-    assert hist("grad/finite") == {s: float(s not in NAN_STEPS) for s in range(STEPS)}
-    assert hist("grad/found") == {}  # logged (as 0) only where no gradient was found: no step was unknown
-    norms = hist("grad/norm")
-    for x in ranks[0]["results"]:
-        if x["finite"]:
-            assert norms[x["step"]] == pytest.approx(x["ds_norm"], rel=1e-5)
-    tags = client.get_run(run_id).data.tags
-    assert tags["rldiag.alert.count"] == "2" and tags["rldiag.alert.first_step"] == str(BACKWARD_NAN)
-    last = json.loads(tags["rldiag.alert.last"])
-    assert last["step"] == PARTITION_NAN and last["params"] == ["1.weight"]
+    # rank 0's run: the NaN steps flagged, no step unknown, DeepSpeed's norms, both alerts
+    assert_nan_run_logged(sqlite_uri, ranks[0]["run_id"], steps=STEPS, nan_steps=NAN_STEPS,
+                          norms={x["step"]: x["ds_norm"] for x in ranks[0]["results"] if x["finite"]},
+                          last_param="1.weight")
 
 
 def test_a_model_without_deepspeed_parameters_reads_as_before():

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
 from tests.conftest import free_port
-from tests.gloo_job import SHARD_KINDS
+from tests.gloo_job import SHARD_KINDS, assert_nan_run_logged
 
 STEPS = 5
 BACKWARD_NAN = 1  # rank 1's backward gives 1.bias a NaN gradient; FSDP's reduce-scatter carries it on
@@ -161,22 +161,9 @@ def test_nan_in_a_shard_every_rank_agrees_and_skips(kind, tmp_path, sqlite_uri):
                                      "part": {"local": [3.0, 3.0], "sharded": True, "replicas": 2}}
     assert ranks[1]["run_id"] is None
 
-    client = MlflowClient(sqlite_uri)
-    run_id = ranks[0]["run_id"]
-
-    def hist(key: str) -> dict[int, float]:
-        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
-
-    assert hist("grad/finite") == {s: float(s not in NAN_STEPS) for s in range(STEPS)}
-    assert hist("grad/nonfinite_params") == {s: float(s in NAN_STEPS) for s in range(STEPS)}
-    norms = hist("grad/norm")
-    for x in ranks[0]["results"]:
-        if x["finite"]:
-            assert norms[x["step"]] == pytest.approx(x["expected"], rel=1e-6)
-    tags = client.get_run(run_id).data.tags
-    assert tags["rldiag.alert.count"] == "2" and tags["rldiag.alert.first_step"] == str(BACKWARD_NAN)
-    last = json.loads(tags["rldiag.alert.last"])
-    assert last["step"] == SHARD_NAN and last["params"] == [SHARD_NAN_PARAM[kind]]
+    assert_nan_run_logged(sqlite_uri, ranks[0]["run_id"], steps=STEPS, nan_steps=NAN_STEPS,
+                          norms={x["step"]: x["expected"] for x in ranks[0]["results"] if x["finite"]},
+                          last_param=SHARD_NAN_PARAM[kind])
 
 
 def test_shard_split_divides_replicated_shards_and_keeps_plain_tensors_apart():

@@ -66,6 +66,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "world": trainer.args.world_size, "finite": weights.finite, "checksum": weights.checksum,
         "had_session": cb._owns_session and rank == 0,
+        "trainer_grad_norm": {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h},
     }))
     # both ranks done before either tears gloo down: a rank that exits while the other is still in a
     # collective aborts in gloo's C++ threads ("terminate called without an active exception")
@@ -94,7 +95,13 @@ def test_nan_on_one_rank_every_rank_skips_that_step_and_rank_0_alerts(sqlite_uri
     rid = runs[0].info.run_id
     finite = {m.step: m.value for m in client.get_metric_history(rid, keys.GRAD_FINITE)}
     assert finite == {1: 1.0, 2: 0.0, 3: 1.0}
-    assert math.isnan({m.step: m.value for m in client.get_metric_history(rid, keys.GRAD_NORM)}[NAN_STEP])
+    norms = {m.step: m.value for m in client.get_metric_history(rid, keys.GRAD_NORM)}
+    assert math.isnan(norms[NAN_STEP])
+    # the finite steps' norm is of the averaged gradients, the Trainer's own `grad_norm` (before, the callback
+    # logged the larger rank's norm before DDP's average: 1.89 where the Trainer had 1.33)
+    trainer_norm = {int(k): v for k, v in r0["trainer_grad_norm"].items()}
+    for step in (1, 3):
+        assert norms[step] == pytest.approx(trainer_norm[step], rel=1e-5), (norms, trainer_norm)
     tags = runs[0].data.tags
     assert tags[keys.TAG_ALERT_FIRST_STEP] == str(NAN_STEP) and tags[keys.TAG_ALERT_COUNT] == "1"
     last = json.loads(tags[keys.TAG_ALERT_LAST])
