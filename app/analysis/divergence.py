@@ -40,6 +40,7 @@ from rldiag.app.analysis.detector import (
     candidate_scale,
     finite_values,
     quiet,
+    min_points,
     reference_model,
     rolling,
     scan,
@@ -337,7 +338,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                               c_level, ref_level, delta, dsig))
     # the longest window that can report at this length (60% full), not the longest there is: a
     # 60-step candidate never fills the 129-step window, so its bar would understate what is missed
-    usable = [i for i, m in enumerate(config.windows) if int(np.ceil(0.6 * m)) <= compared] or [0]
+    usable = [i for i, m in enumerate(config.windows) if min_points(m) <= compared] or [0]
     bar = model.noise.threshold[usable[-1]] * model.noise.null_sd[usable[-1]]
     with quiet():
         detectable = float(np.nanmedian(np.abs(_inverse(model, center_t + bar) - center_m))) if len(steps) else float("nan")
