@@ -74,10 +74,10 @@ class Monitor:
     `grads_sharded` (plain-tensor gradients are shards: the total norm sums the ranks' squares; default
     False, DDP). FSDP2's DTensor gradients and FSDP1's (FlatParameter, or `use_orig_params=True`) are
     recognised as shards without it, named by their original FQNs. So are DeepSpeed ZeRO 1-3's gradient
-    partitions (out of `.grad`, read from the engine's buffers): pass the engine or its module, call
-    `step` after `engine.backward(loss)` and before `engine.step()`, and under `skip` leave out
-    `engine.step()` where it returns False (the partitions are zeroed). Every rank creates a Monitor and
-    calls `step`; all ranks agree on the finite flag; rank 0 opens the run and writes.
+    partitions (out of `.grad`, read from the engine's buffers): pass the engine (its fp16 loss scale is read
+    from it), call `step` after `engine.backward(loss)` and before `engine.step()`, and under `skip` leave
+    out `engine.step()` where it returns False (the partitions are zeroed). Every rank creates a Monitor
+    and calls `step`; all ranks agree on the finite flag; rank 0 opens the run and writes.
 
     A step where no parameter holds a gradient (a call after `zero_grad` or `engine.step()`) is unknown,
     never finite: it logs `grad/found` = 0 and no `grad/norm` or `grad/finite`, warns once, and returns
