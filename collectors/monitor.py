@@ -146,9 +146,7 @@ class Monitor:
         values: dict[str, torch.Tensor | float] = dict(metrics or {})
         if loss is not None:
             values[keys.LOSS] = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        scale_t = loss_scale_tensor(scaler)
-        if scale_t is None and ds_scale is not None:
-            scale_t = torch.tensor(ds_scale, dtype=host_dtype(_device_of(model, values)))
+        scale_t = loss_scale_tensor(scaler)  # DeepSpeed's scale is a host float already: not in the transfer
         if scale_t is not None:  # read in the same host transfer
             values[keys.GRAD_LOSS_SCALE] = scale_t
         if self.distributed:  # reduced by key: every rank lays its values out in the same (sorted) order
@@ -162,9 +160,10 @@ class Monitor:
         else:
             report, host = self._reduce(vec, n, list(values), entries, step)
         got = dict(zip(values.keys(), host[n : n + len(values)]))
-        if scale_t is not None:
-            report = unscale_report(report, got[keys.GRAD_LOSS_SCALE], scaled=ds_scale is not None or not grads_unscaled(scaler, optimizer),
-                                    loss=got.get(keys.LOSS))
+        scale = got[keys.GRAD_LOSS_SCALE] if scale_t is not None else ds_scale
+        if scale is not None:  # DeepSpeed's gradients before engine.step() are always still scaled
+            scaled = scale_t is None or not grads_unscaled(scaler, optimizer)
+            report = unscale_report(report, scale, scaled=scaled, loss=got.get(keys.LOSS))
         if report.found and report.finite is False and not report.overflow and self.rank == 0:
             order, how = autograd_order(loss, model if isinstance(model, nn.Module) else None)
             report.nonfinite_params = in_order(report.nonfinite_params, order)
@@ -178,7 +177,8 @@ class Monitor:
             self._warned_no_grads = True
             log.warning("rldiag: step %d: no parameter has a gradient, nothing was checked: logging %s = 0 and no "
                         "%s or %s (call Monitor.step after backward() and before zero_grad(); under DeepSpeed after "
-                        "engine.backward() and before engine.step(), at the accumulation boundary)", step, keys.GRAD_FOUND, keys.GRAD_NORM, keys.GRAD_FINITE)
+                        "engine.backward() and before engine.step(), at the accumulation boundary)", step,
+                        keys.GRAD_FOUND, keys.GRAD_NORM, keys.GRAD_FINITE)
         if self.session is not None:
             logged = dict(got)
             logged.update(report.metrics())

@@ -39,8 +39,8 @@ import pandas as pd
 from rldiag.app.analysis.detector import (
     candidate_scale,
     finite_values,
-    quiet,
     min_points,
+    quiet,
     reference_model,
     rolling,
     scan,
@@ -336,7 +336,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
         end = int(steps[s.end]) if s.end is not None else None
         deps.append(Departure(s.kind, int(steps[s.onset]), int(steps[min(s.alert, len(steps) - 1)]), end,
                               c_level, ref_level, delta, dsig))
-    # the longest window that can report at this length (60% full), not the longest there is: a
+    # the longest window that can report at this length (half full: min_points), not the longest there is: a
     # 60-step candidate never fills the 129-step window, so its bar would understate what is missed
     usable = [i for i, m in enumerate(config.windows) if min_points(m) <= compared] or [0]
     bar = model.noise.threshold[usable[-1]] * model.noise.null_sd[usable[-1]]

@@ -58,11 +58,14 @@ def is_zero_param(p: torch.nn.Parameter) -> bool:
     return hasattr(p, "_hp_mapping") or (hasattr(p, "ds_id") and hasattr(p, "_z3_optimizer"))
 
 
+def _is_engine(module) -> bool:
+    return loaded() and type(module).__name__ == "DeepSpeedEngine"
+
+
 def unwrap_engine(module: torch.nn.Module) -> torch.nn.Module:
     """The model inside a `DeepSpeedEngine` (whose own parameter names carry a `module.` prefix), else
     `module` itself."""
-    if loaded() and type(module).__name__ == "DeepSpeedEngine" and isinstance(getattr(module, "module", None),
-                                                                                torch.nn.Module):
+    if _is_engine(module) and isinstance(getattr(module, "module", None), torch.nn.Module):
         return module.module
     return module
 
@@ -71,7 +74,7 @@ def fp16_loss_scale(module) -> float | None:
     """The loss scale of a `DeepSpeedEngine` training in fp16 (its optimizer's `loss_scale`: the gradients
     read between `engine.backward` and `engine.step` are the true ones times it), else None. Not run on
     these machines: DeepSpeed's fp16 needs CUDA (tests/gpu/deepspeed_zero.py)."""
-    if not (loaded() and type(module).__name__ == "DeepSpeedEngine"):
+    if not _is_engine(module):
         return None
     try:
         if not module.fp16_enabled():
