@@ -18,6 +18,7 @@ says so (`found` False, `finite` None): unknown, never finite.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from rldiag.collectors.compat.torch import (
 Tensor = torch.Tensor
 
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+log = logging.getLogger("rldiag")
 
 
 @dataclass(slots=True)
@@ -103,12 +106,15 @@ def collect_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Itera
     zero = deepspeed.loaded()  # DeepSpeed ZeRO keeps its gradients out of .grad
     fsdp1: dict[int, int] | None = None
     out = []
+    unread: list[str] = []  # ZeRO parameters this rank owns a piece of whose gradient could not be read
     for i, item in enumerate(items):
         name, p = item if isinstance(item, tuple) else (f"param.{i}", item)
         g = p.grad
         if g is None:
             if zero and (piece := deepspeed.zero_local_grad(p)) is not None:  # this rank's partition of it
                 out.append(GradEntry(clean_fqn(name), piece, piece, sharded=True))
+            elif zero and deepspeed.owns_zero_grad(p):
+                unread.append(clean_fqn(name))
             continue
         flat = flat_cls is not None and isinstance(p, flat_cls)
         shard = flat or (flat_cls is not None and fsdp1_flattened(p))
@@ -127,7 +133,25 @@ def collect_grads(params: nn.Module | Iterable[tuple[str, nn.Parameter]] | Itera
                 prefix = entry.name[: -len(FLAT_PARAM)] if entry.name.endswith(FLAT_PARAM) else ""
                 entry.parts = tuple((prefix + clean_fqn(n), off, k) for n, off, k in flat_param_parts(p))
         out.append(entry)
+    if unread and any(e.sharded for e in out):  # all unread is the "no gradient" unknown, warned by Monitor.step
+        _warn_unread(unread, len(unread) + sum(e.sharded for e in out))
     return out
+
+
+_warned_unread: set[tuple[str, ...]] = set()
+
+
+def _warn_unread(names: list[str], owned: int) -> None:
+    """Once per set of names: a partial read is no all-clear for the parameters left out."""
+    key = tuple(names)
+    if key in _warned_unread:
+        return
+    _warned_unread.add(key)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    log.warning("rldiag: DeepSpeed gave no gradient for %d of the %d ZeRO parameters this rank holds a piece of "
+                "(%s): the check covers the others only, a NaN in these is not seen. Call Monitor.step between "
+                "engine.backward() and engine.step(); if it already is, report this with your DeepSpeed version.",
+                len(names), owned, shown)
 
 
 def check_max_norm(max_norm: float | None) -> None:

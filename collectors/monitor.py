@@ -28,7 +28,7 @@ from torch import nn
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
 from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_report
-from rldiag.collectors.compat.deepspeed import fp16_loss_scale, unwrap_engine
+from rldiag.collectors.compat.deepspeed import fp16_loss_scale, fp16_without_engine, unwrap_engine
 from rldiag.collectors.compat.torch import grads_unscaled, host_dtype, loss_scale_tensor
 from rldiag.collectors.gradcheck import (
     GradEntry,
@@ -98,6 +98,7 @@ class Monitor:
         self._overflows = OverflowCounter()
         self._loss_check = LossCheck()
         self._warned_no_grads = False
+        self._checked_engine = False
 
     @property
     def events(self) -> list[dict]:
@@ -141,6 +142,13 @@ class Monitor:
         ds_scale = None
         if isinstance(model, nn.Module):
             ds_scale = fp16_loss_scale(model)  # a DeepSpeedEngine in fp16: its gradients are still scaled
+            if not self._checked_engine:  # once: the parameters are walked
+                self._checked_engine = True
+                if ds_scale is None and fp16_without_engine(model):
+                    log.warning("rldiag: the model passed to Monitor.step holds fp16 DeepSpeed ZeRO parameters but "
+                                "is not the DeepSpeedEngine, so DeepSpeed's loss scale cannot be read: grad/norm "
+                                "is the scaled norm and a scaler overflow reads as a NaN. Pass the engine "
+                                "(mon.step(step, engine, ...)), not engine.module.")
             model = unwrap_engine(model)  # a DeepSpeedEngine: its model's own parameter names
         entries = collect_grads(model)
         values: dict[str, torch.Tensor | float] = dict(metrics or {})

@@ -53,6 +53,16 @@ def zero_local_grad(p: torch.nn.Parameter) -> Tensor | None:
     return g
 
 
+def owns_zero_grad(p: torch.nn.Parameter) -> bool:
+    """This rank is meant to hold a piece of `p`'s gradient under ZeRO: a stage 1-2 parameter with a fragment
+    mapping here, or a stage 3 parameter that trains with a partition on this rank. Where `zero_local_grad`
+    still reads nothing for such a parameter while it reads others, that parameter went unchecked."""
+    if getattr(p, "_z3_optimizer", None) is not None and hasattr(p, "ds_id"):
+        tensor = getattr(p, "ds_tensor", None)
+        return p.requires_grad and (tensor is None or tensor.numel() > 0)
+    return getattr(p, "_hp_mapping", None) is not None
+
+
 def is_zero_param(p: torch.nn.Parameter) -> bool:
     """`p` is managed by a ZeRO optimizer (stage 1-3), whether or not this rank owns a piece of it."""
     return hasattr(p, "_hp_mapping") or (hasattr(p, "ds_id") and hasattr(p, "_z3_optimizer"))
@@ -83,6 +93,14 @@ def fp16_loss_scale(module) -> float | None:
     except (AttributeError, TypeError, ValueError):
         return None
     return scale
+
+
+def fp16_without_engine(module) -> bool:
+    """`module` holds fp16 ZeRO parameters but is no `DeepSpeedEngine` (e.g. `engine.module`): DeepSpeed's
+    loss scale cannot be read from it, so its gradients would be taken for the true ones."""
+    if not loaded() or _is_engine(module) or not isinstance(module, torch.nn.Module):
+        return False
+    return any(p.dtype == torch.float16 and is_zero_param(p) for p in module.parameters())
 
 
 def zero_model(model: torch.nn.Module) -> bool:

@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, stage: int
     def x(r: int, step: int) -> torch.Tensor:
         return torch.ones(2, 3) * (r + 1) * (1 + 0.25 * step)
 
+    warned = _capture_warnings()
     results = []
     with Monitor("deepspeed", run_name=f"zero{stage}-{dtype}", tracking_uri=uri, policy="skip",
                  spill_dir=os.path.join(out_dir, f"spill{rank}")) as mon:
@@ -86,13 +87,60 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, stage: int
                             "names": report.nonfinite_params, "norm": report.norm, "expected": expected,
                             "ds_norm": ds_norm, "zeroed": zeroed, "pieces": sum(g is not None for g in pieces)})
         run_id = mon.run_id
+    partial = _partial_read(engine, x(rank, STEPS).to(low), warned)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # the full weights (ZeRO 3)
         state = {n: p.detach().float().tolist() for n, p in engine.module.named_parameters()}
     ref_state = {n: p.detach().tolist() for n, p in ref.named_parameters()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"results": results, "run_id": run_id, "state": state, "ref_state": ref_state}))
+        {"results": results, "run_id": run_id, "state": state, "ref_state": ref_state, "partial": partial}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _capture_warnings() -> list[str]:
+    import logging
+
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    logging.getLogger("rldiag").addHandler(Keep(logging.WARNING))
+    return got
+
+
+def _partial_read(engine, x, warned: list[str]) -> dict:
+    """One more backward, then DeepSpeed made to refuse one parameter this rank holds a piece of (as
+    `get_lp_grad_fragment` refuses outside its window): the check reads the others and says which went
+    unchecked, once; the normal steps before warned of no partial read."""
+    from rldiag.collectors.compat.deepspeed import owns_zero_grad
+    from rldiag.collectors.gradcheck import collect_grads
+
+    before = list(warned)
+    engine.backward(engine(x).float().pow(2).mean())
+    named = dict(engine.module.named_parameters())
+    victim = next(n for n, p in named.items() if owns_zero_grad(p))
+    p = named[victim]
+    z3 = getattr(p, "_z3_optimizer", None)
+    if z3 is not None:  # ZeRO 3: the optimizer's partition lookup fails for this one parameter
+        real = z3._get_fp32_grad_state_partition
+
+        def refuse(param, release_swap_buffers=False):
+            if param is p:
+                raise KeyError(param.ds_id)
+            return real(param=param, release_swap_buffers=release_swap_buffers)
+
+        z3._get_fp32_grad_state_partition = refuse
+    else:  # ZeRO 1-2: this parameter's fragment mapping refuses
+        def refuse(*_a, **_k):
+            raise ValueError("lp_grad_fragment is only available immediately after backward")
+
+        p._hp_mapping.get_lp_grad_fragment = refuse
+    read = [e.name for e in collect_grads(engine.module)]
+    collect_grads(engine.module)  # the same gap again: no second warning
+    engine.zero_grad()
+    return {"victim": victim, "read": read, "before": before, "after": warned[len(before):]}
 
 
 def _close(a, b, tol: float) -> bool:
@@ -133,6 +181,12 @@ def test_nan_in_a_zero_partition_every_rank_agrees_and_skips(stage, dtype, tmp_p
             assert _close(value, r["ref_state"][name], tol), name
     assert ranks[0]["state"] == ranks[1]["state"]
     assert ranks[1]["run_id"] is None  # rank 0 logs
+    for r in ranks:  # a parameter DeepSpeed gave no gradient for is named as unchecked, never silently left out
+        part = r["partial"]
+        assert not [w for w in part["before"] if "gave no gradient" in w]
+        assert part["read"] and part["victim"] not in part["read"]
+        assert len(part["after"]) == 1 and "gave no gradient for 1 of the" in part["after"][0]
+        assert part["victim"] in part["after"][0]
 
     # rank 0's run: the NaN steps flagged, no step unknown, DeepSpeed's norms, both alerts
     assert_nan_run_logged(sqlite_uri, ranks[0]["run_id"], steps=STEPS, nan_steps=NAN_STEPS,
@@ -153,6 +207,30 @@ def test_a_model_without_deepspeed_parameters_reads_as_before():
     assert collect_grads(lin) == []
     lin(torch.ones(1, 2)).sum().backward()
     assert [(e.name, e.sharded) for e in collect_grads(lin)] == [("weight", False), ("bias", False)]
+
+
+def test_fp16_zero_parameters_passed_without_the_engine_are_warned_of(sqlite_uri, tmp_path, caplog):
+    """DeepSpeed's fp16 cannot run on a CPU: a FAKE fp16 ZeRO parameter (a `_hp_mapping` attribute, as ZeRO 1-2
+    sets one) stands in for `engine.module`. Its loss scale cannot be read without the engine, so Monitor.step
+    says to pass the engine, once."""
+    import deepspeed  # noqa: F401 - loaded, as in a DeepSpeed run
+    import torch
+
+    from rldiag.collectors import Monitor
+
+    class FakeMapping:  # what ZeRO 1-2 hangs on a parameter; this one has no gradient fragment to give
+        def get_lp_grad_fragment(self, index):
+            raise ValueError("lp_grad_fragment is only available immediately after backward")
+
+    model = torch.nn.Linear(2, 2).half()
+    for p in model.parameters():
+        p._hp_mapping, p._index_in_param_group = FakeMapping(), 0
+    with Monitor("deepspeed", run_name="fp16-module", tracking_uri=sqlite_uri, spill_dir=str(tmp_path)) as mon:
+        with caplog.at_level("WARNING", logger="rldiag"):
+            mon.step(0, model)
+            mon.step(1, model)
+    said = [r.getMessage() for r in caplog.records if "not the DeepSpeedEngine" in r.getMessage()]
+    assert len(said) == 1 and "Pass the engine" in said[0]
 
 
 def _accumulation_worker(rank: int, world: int, port: int, uri: str, out_dir: str, stage: int) -> None:
