@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if held:
         h_false, h_early, h_missed, h_med = _totals(held_res)
         summary.append(summary_row(
-            f"divergence, {held} held-out seeds per kind (not used to choose the defaults): false / early alarms, "
+            f"divergence, {held} held-out seeds per kind from seed {args.held_out_from} (defaults chosen on seeds 0-39, "
+            "var_persist also on 40-119: README): false / early alarms, "
             "misses, time to alert", f"{h_false} false of {held * len(NO_CHANGE)}, {h_early} early of "
             f"{held * (len(CHANGES) - len(NO_CHANGE))}; misses " + ", ".join(f"{c} {v}" for c, v in h_missed.items() if v)
             + f"; median {h_med} steps", "-", "-", "0 false, 0 early", h_false + h_early == 0))

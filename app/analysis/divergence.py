@@ -73,7 +73,7 @@ class DivergenceConfig:
     calibration_margin: float = 1.1  # a window's bar >= this x the largest value the references reach on it
     var_ratio: float = 2.5  # candidate / reference step-to-step noise of a variance departure (at least: see var_bar)
     var_window: int = 31  # trailing steps over which the candidate's noise is measured
-    var_persist: int = 1  # steps in a row it must be so (12: no variance false alarm on unseen seeds, +12 steps)
+    var_persist: int = 9  # steps in a row it must be so: clustered spikes lift the scale for a few steps (README)
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
     min_delta: float = 0.0  # a departure must exceed this, in metric units
     rel_delta: float = 0.0  # ... and this fraction of the reference's level
