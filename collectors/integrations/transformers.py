@@ -155,6 +155,7 @@ class RldiagCallback(TrainerCallback):
         self._shared_run = False  # logging into transformers' MLflowCallback run (report_to="mlflow")
         self._zero = False  # DeepSpeed ZeRO through accelerate (its engine steps inside accelerator.backward)
         self._trainer_norm: Any = None  # what accelerate's clip_grad_norm_ returned this step (attach() records it)
+        self._norm_from_log: int | None = None  # a step whose grad/norm is the Trainer's logged grad_norm (DDP, no attach)
         self._warned_zero_skip = False
 
     # ---- wiring --------------------------------------------------------------------------------
@@ -277,8 +278,9 @@ class RldiagCallback(TrainerCallback):
                                 step)
             else:
                 values.update(report.metrics())
-                if norm_unknown:  # no norm is made up: the flag alone
+                if norm_unknown:  # no norm is made up: the flag alone, and the Trainer's grad_norm where it logs one
                     values.pop(keys.GRAD_NORM, None)
+                    self._norm_from_log = step
             self.session.writer.log_metrics(values, step)
             self._loss_check.update(self.session, step, extra[0] if extra else None,
                                     report.finite if report is not None else None)
@@ -323,7 +325,7 @@ class RldiagCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.session is None or not logs or self._shared_run:
             return  # in the trainer's own run, MLflowCallback logs the trainer's numbers
-        self.session.writer.log_metrics(self._mapped(logs), state.global_step)
+        self.session.writer.log_metrics(self._mapped(logs, state.global_step), state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._finish("FINISHED")
@@ -417,12 +419,14 @@ class RldiagCallback(TrainerCallback):
             options["run_name"] = args.run_name
         return experiment, False
 
-    def _mapped(self, logs: Mapping[str, Any]) -> dict[str, float]:
+    def _mapped(self, logs: Mapping[str, Any], step: int | None = None) -> dict[str, float]:
         """The trainer's numbers under their own names plus the canonical key of each alias, except
         where the callback writes that key itself every step (`grad/norm`, and `loss` once attached).
-        A trainer key that collides with one of those moves under `trainer/`: `loss` -> `LOGGED_LOSS`."""
+        A trainer key that collides with one of those moves under `trainer/`: `loss` -> `LOGGED_LOSS`.
+        At a step where the callback could not know the norm (DDP without `attach`), the Trainer's own
+        `grad_norm` (of the averaged gradients) is `grad/norm`."""
         owned = set()
-        if self._check is not None:
+        if self._check is not None and (step is None or step != self._norm_from_log):
             owned.add(keys.GRAD_NORM)
             if self._attached:
                 owned.add(keys.LOSS)

@@ -24,7 +24,7 @@ from tests.conftest import free_port  # noqa: E402
 NAN_STEP = 2  # optimizer step (global_step after it) whose backward is NaN on rank 1
 
 
-def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, uri: str, out: str, attach: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), MLFLOW_DISABLE_TELEMETRY="true")
     import torch
@@ -61,7 +61,11 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
     weights = Weights()
     trainer.add_callback(weights)
     cb = RldiagCallback(experiment="ddp", run_name="gloo", tracking_uri=uri, policy="skip",
-                        spill_dir=os.path.join(out, f"spill{rank}")).attach(trainer)
+                        spill_dir=os.path.join(out, f"spill{rank}"))
+    if attach:
+        cb.attach(trainer)
+    else:  # as a stock script passes it: callbacks=[...] (added the same way), never attached
+        trainer.add_callback(cb)
     trainer.train()
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "world": trainer.args.world_size, "finite": weights.finite, "checksum": weights.checksum,
@@ -79,9 +83,10 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_nan_on_one_rank_every_rank_skips_that_step_and_rank_0_alerts(sqlite_uri, tmp_path):
+@pytest.mark.parametrize("attach", [True, False], ids=["attached", "callbacks-list"])
+def test_nan_on_one_rank_every_rank_skips_that_step_and_rank_0_alerts(attach, sqlite_uri, tmp_path):
     MlflowClient(sqlite_uri).search_experiments()  # migrate before two processes race to
-    mp.start_processes(_worker, args=(2, free_port(), sqlite_uri, str(tmp_path)), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(2, free_port(), sqlite_uri, str(tmp_path), attach), nprocs=2, join=True,
                        start_method="spawn")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world"] == r1["world"] == 2
@@ -98,10 +103,12 @@ def test_nan_on_one_rank_every_rank_skips_that_step_and_rank_0_alerts(sqlite_uri
     norms = {m.step: m.value for m in client.get_metric_history(rid, keys.GRAD_NORM)}
     assert math.isnan(norms[NAN_STEP])
     # the finite steps' norm is of the averaged gradients, the Trainer's own `grad_norm` (before, the callback
-    # logged the larger rank's norm before DDP's average: 1.89 where the Trainer had 1.33)
+    # logged the larger rank's norm before DDP's average: 1.89 where the Trainer had 1.33): recorded from
+    # accelerate's clip_grad_norm_ when attached, else taken from the Trainer's logs (logging_steps=1 here)
     trainer_norm = {int(k): v for k, v in r0["trainer_grad_norm"].items()}
     for step in (1, 3):
         assert norms[step] == pytest.approx(trainer_norm[step], rel=1e-5), (norms, trainer_norm)
+    assert sorted(m.step for m in client.get_metric_history(rid, keys.GRAD_NORM)) == [1, 2, 3]  # one point a step
     tags = runs[0].data.tags
     assert tags[keys.TAG_ALERT_FIRST_STEP] == str(NAN_STEP) and tags[keys.TAG_ALERT_COUNT] == "1"
     last = json.loads(tags[keys.TAG_ALERT_LAST])
