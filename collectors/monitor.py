@@ -28,6 +28,7 @@ from torch import nn
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.alerts import NonFiniteGradAlert
 from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_report
+from rldiag.collectors.compat import deepspeed
 from rldiag.collectors.compat.deepspeed import fp16_loss_scale, fp16_without_engine, unwrap_engine
 from rldiag.collectors.compat.torch import grads_unscaled, host_dtype, loss_scale_tensor
 from rldiag.collectors.gradcheck import (
@@ -99,6 +100,7 @@ class Monitor:
         self._loss_check = LossCheck()
         self._warned_no_grads = False
         self._checked_engine = False
+        self._warned_zero_skip = False
 
     @property
     def events(self) -> list[dict]:
@@ -140,6 +142,7 @@ class Monitor:
         """
         check_max_norm(max_norm)
         ds_scale = None
+        engine = model
         if isinstance(model, nn.Module):
             ds_scale = fp16_loss_scale(model)  # a DeepSpeedEngine in fp16: its gradients are still scaled
             if not self._checked_engine:  # once: the parameters are walked
@@ -218,6 +221,12 @@ class Monitor:
             return True
         for e in entries:  # policy "skip", on every rank
             e.grad.zero_()
+        if any(e.sharded for e in entries) and deepspeed.loaded() and deepspeed.zero_model(model):
+            if not deepspeed.restart_accumulation(engine) and not self._warned_zero_skip:
+                self._warned_zero_skip = True
+                log.warning("rldiag: step %d skipped on DeepSpeed ZeRO parameters, but the model passed is not the "
+                            "DeepSpeedEngine: its next backward may add to this step's gradient (ZeRO-Offload). "
+                            "Pass the engine (mon.step(step, engine, ...)).", step)
         return False
 
     def _reduce(self, vec: torch.Tensor, n: int, value_keys: list[str],

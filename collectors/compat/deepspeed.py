@@ -95,6 +95,26 @@ def fp16_loss_scale(module) -> float | None:
     return scale
 
 
+def restart_accumulation(module) -> bool:
+    """After a step the loop leaves out (`skip`): make a `DeepSpeedEngine`'s next backward start a fresh
+    gradient, as its own `engine.step()` would, instead of adding to the skipped one. DeepSpeed counts
+    backwards in its ZeRO optimizer's `micro_step_id` and resets it only in its step; left as it is, the next
+    backward counts as a second micro-batch and accumulates onto buffers rldiag does not read under
+    ZeRO-Offload (stage 1-2: the CPU accumulation buffers hold an earlier step's gradient; stage 3: the NaN
+    stays in the partition it accumulates into). Stage 3's own `zero_grad` resets its count; stage 1-2's
+    does not, so the count is set to its start value. False where `module` is no engine (nothing reset)."""
+    if not _is_engine(module):
+        return False
+    opt = getattr(module, "optimizer", None)
+    if opt is None or not hasattr(opt, "micro_step_id"):
+        return False
+    if hasattr(opt, "_get_fp32_grad_state_partition"):  # ZeRO 3 (its optimizer class; stage 1-2's has no such method)
+        opt.zero_grad(set_to_none=True)
+    else:  # ZeRO 1-2: what its step() sets first
+        opt.micro_step_id = getattr(sys.modules.get(type(opt).__module__), "INITIAL_MICRO_STEP_ID", -1)
+    return True
+
+
 def fp16_without_engine(module) -> bool:
     """`module` holds fp16 ZeRO parameters but is no `DeepSpeedEngine` (e.g. `engine.module`): DeepSpeed's
     loss scale cannot be read from it, so its gradients would be taken for the true ones."""
