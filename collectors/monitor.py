@@ -147,7 +147,7 @@ class Monitor:
             ds_scale = fp16_loss_scale(model)  # a DeepSpeedEngine in fp16: its gradients are still scaled
             if not self._checked_engine:  # once: the parameters are walked
                 self._checked_engine = True
-                if ds_scale is None and fp16_without_engine(model):
+                if ds_scale is None and self.rank == 0 and fp16_without_engine(model):
                     log.warning("rldiag: the model passed to Monitor.step holds fp16 DeepSpeed ZeRO parameters but "
                                 "is not the DeepSpeedEngine, so DeepSpeed's loss scale cannot be read: grad/norm "
                                 "is the scaled norm and a scaler overflow reads as a NaN. Pass the engine "
@@ -222,7 +222,7 @@ class Monitor:
         for e in entries:  # policy "skip", on every rank
             e.grad.zero_()
         if any(e.sharded for e in entries) and deepspeed.loaded() and deepspeed.zero_model(model):
-            if not deepspeed.restart_accumulation(engine) and not self._warned_zero_skip:
+            if not deepspeed.restart_accumulation(engine) and not self._warned_zero_skip and self.rank == 0:
                 self._warned_zero_skip = True
                 log.warning("rldiag: step %d skipped on DeepSpeed ZeRO parameters, but the model passed is not the "
                             "DeepSpeedEngine: its next backward may add to this step's gradient (ZeRO-Offload). "
