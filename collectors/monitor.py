@@ -152,6 +152,11 @@ class Monitor:
                                 "is not the DeepSpeedEngine, so DeepSpeed's loss scale cannot be read: grad/norm "
                                 "is the scaled norm and a scaler overflow reads as a NaN. Pass the engine "
                                 "(mon.step(step, engine, ...)), not engine.module.")
+                if self.policy == "skip" and self.rank == 0 and (micro := deepspeed.accumulation_steps(model)) > 1:
+                    log.warning("rldiag: policy 'skip' under DeepSpeed gradient accumulation (%d micro-batches a step) "
+                                "is not supported: leaving out engine.step() at the boundary shifts DeepSpeed's count "
+                                "of micro-batches, so later steps accumulate the wrong ones. Use policy 'warn' or "
+                                "'raise' there, or 'skip' without gradient accumulation.", micro)
             model = unwrap_engine(model)  # a DeepSpeedEngine: its model's own parameter names
         entries = collect_grads(model)
         values: dict[str, torch.Tensor | float] = dict(metrics or {})

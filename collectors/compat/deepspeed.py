@@ -95,6 +95,16 @@ def fp16_loss_scale(module) -> float | None:
     return scale
 
 
+def accumulation_steps(module) -> int:
+    """Micro-batches per optimizer step of a `DeepSpeedEngine` (its `gradient_accumulation_steps()`), else 1."""
+    if not _is_engine(module):
+        return 1
+    try:
+        return int(module.gradient_accumulation_steps())
+    except (AttributeError, TypeError, ValueError):
+        return 1
+
+
 def restart_accumulation(module) -> bool:
     """After a step the loop leaves out (`skip`): make a `DeepSpeedEngine`'s next backward start a fresh
     gradient, as its own `engine.step()` would, instead of adding to the skipped one. DeepSpeed counts
