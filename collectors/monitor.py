@@ -226,8 +226,8 @@ class Monitor:
             return True
         for e in entries:  # policy "skip", on every rank
             e.grad.zero_()
-        if any(e.sharded for e in entries) and deepspeed.loaded() and deepspeed.zero_model(model):
-            if not deepspeed.restart_accumulation(engine) and not self._warned_zero_skip and self.rank == 0:
+        if not deepspeed.restart_accumulation(engine) and deepspeed.zero_model(model):
+            if not self._warned_zero_skip and self.rank == 0:
                 self._warned_zero_skip = True
                 log.warning("rldiag: step %d skipped on DeepSpeed ZeRO parameters, but the model passed is not the "
                             "DeepSpeedEngine: its next backward may add to this step's gradient (ZeRO-Offload). "

@@ -419,14 +419,14 @@ class RldiagCallback(TrainerCallback):
             options["run_name"] = args.run_name
         return experiment, False
 
-    def _mapped(self, logs: Mapping[str, Any], step: int | None = None) -> dict[str, float]:
+    def _mapped(self, logs: Mapping[str, Any], step: int) -> dict[str, float]:
         """The trainer's numbers under their own names plus the canonical key of each alias, except
         where the callback writes that key itself every step (`grad/norm`, and `loss` once attached).
         A trainer key that collides with one of those moves under `trainer/`: `loss` -> `LOGGED_LOSS`.
         At a step where the callback could not know the norm (DDP without `attach`), the Trainer's own
         `grad_norm` (of the averaged gradients) is `grad/norm`."""
         owned = set()
-        if self._check is not None and (step is None or step != self._norm_from_log):
+        if self._check is not None and step != self._norm_from_log:
             owned.add(keys.GRAD_NORM)
             if self._attached:
                 owned.add(keys.LOSS)
