@@ -7,6 +7,7 @@ onset error, per change kind, vs a fixed threshold.
     python -m bench.divergence_quality --detector var_persist=12       # other detector options
     python -m bench.divergence_quality --held-out-from 120             # other held-out seeds
     python -m bench.divergence_quality --long-steps 100000 --held-out 0  # also 24 no-change runs of 100k steps
+    python -m bench.divergence_quality --zeros   # exact zeros in half the positive metrics (first step, or 20-40%)
 
 The set is `bench.divergence_rl` (AR(1) noise to phi 0.85, Student-t tails, spikes and bursts in every
 run, seed wander and offsets, log-normal positive metrics; 1 to 4 reference seeds): candidates with
@@ -65,12 +66,12 @@ def threshold_alert(s: Scenario, k: float) -> int | None:
     return int(s.candidate.steps[hits[0]]) if len(hits) else None
 
 
-def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: int = 0) -> dict:
+def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: int = 0, zeros: bool = False) -> dict:
     config = config or DivergenceConfig()
     rows: dict[str, dict] = {}
     for change in tqdm(CHANGES, desc="change kinds", unit="kind"):
         res = {"rldiag": [], "threshold-3sd": [], "threshold-5sd": []}
-        for s in make_set(per_kind, (change,), first_seed):
+        for s in make_set(per_kind, (change,), first_seed, zeros):
             d = detect_divergence(list(s.references), s.candidate, config)
             first_alert = d.alert_step
             if d.diverged and s.onset is not None and first_alert is not None and first_alert >= s.onset:
@@ -83,7 +84,8 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
         for det, found in res.items():
             fired = [(a, o, s) for a, o, s in found if a is not None]
             if change in NO_CHANGE:
-                out[det] = {"n": len(found), "fired": len(fired), "false_alarms": len(fired)}
+                out[det] = {"n": len(found), "fired": len(fired), "false_alarms": len(fired),
+                            **({"wrong_by_zeros": _by_zeros(found)} if det == "rldiag" else {})}
                 continue
             early = [x for x in fired if x[0] < x[2].onset]
             hit = [x for x in fired if x[0] >= x[2].onset]
@@ -91,7 +93,8 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
             onset_err = [o - s.onset for _, o, s in hit if o is not None]
             out[det] = {"n": len(found), "fired": len(fired), "early_alarms": len(early), "detected": len(hit),
                         "missed": len(found) - len(fired),
-                        **({"time_to_alert_by_phi": _by_phi(found)} if det == "rldiag" else {}),
+                        **({"time_to_alert_by_phi": _by_phi(found), "wrong_by_zeros": _by_zeros(found)}
+                           if det == "rldiag" else {}),
                         "median_time_to_alert": float(np.median(delays)) if delays else None,
                         "p90_time_to_alert": float(np.percentile(delays, 90)) if delays else None,
                         "median_onset_error": float(np.median(onset_err)) if onset_err else None,
@@ -125,6 +128,34 @@ def _by_phi(found: list) -> dict:
                            "missed": sum(a is None for a, _ in groups[phi]),
                            "early": sum(a is not None and a < o for a, o in groups[phi]), "n": len(groups[phi])}
     return out
+
+
+def _by_zeros(found: list) -> dict:
+    """Per kind of exact zeros in the runs (bench.divergence_rl: none, first, often): comparisons and
+    how many went wrong (fired on no change; missed or alerted early on a change)."""
+    out: dict[str, list[int]] = {}
+    for a, _, s in found:
+        wrong = a is not None if s.onset is None else (a is None or a < s.onset)
+        n_wrong = out.setdefault(s.zeros, [0, 0])
+        n_wrong[0] += 1
+        n_wrong[1] += int(wrong)
+    return out
+
+
+def _zeros_row(res: dict, label: str) -> dict:
+    """Summary row: wrong verdicts on runs with zeros at 20-40% of their steps vs the others."""
+    tot: dict[str, list[int]] = {}
+    for change, row in res.items():
+        if change not in NO_CHANGE + MUST_DETECT:
+            continue
+        for z, (n, w) in row["rldiag"]["wrong_by_zeros"].items():
+            t = tot.setdefault("often" if z == "often" else "other", [0, 0])
+            t[0] += n
+            t[1] += w
+    often, other = tot.get("often", [0, 0]), tot.get("other", [0, 0])
+    return summary_row(f"divergence, {label}: wrong verdicts (false, early, missed on a required kind) on positive metrics "
+                       "exactly 0 at 20-40% of steps", f"{often[1]} of {often[0]}", f"other runs: {other[1]} of {other[0]}",
+                       "-", "0", often[1] == 0)
 
 
 def _print_by_phi(res: dict, change: str = "level3") -> None:
@@ -183,19 +214,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
                     help="a DivergenceConfig option (repeatable), e.g. var_persist=12; results of a run "
                          "with options or --held-out-from go to divergence_quality_options.json")
+    ap.add_argument("--zeros", action="store_true",
+                    help="exact zeros in half the positive metrics: at every run's first step, or at 20-40%% of its "
+                         "steps; results go to divergence_quality_zeros.json")
     args = ap.parse_args(argv)
     per_kind = 10 if args.quick else args.per_kind
     held = args.held_out if args.held_out is not None else (10 if args.quick else 80)
     config = DivergenceConfig.from_options(args.detector)
     t0 = time.perf_counter()
-    res = evaluate(per_kind, config)
+    res = evaluate(per_kind, config, zeros=args.zeros)
     _print(res)
     _print_by_phi(res)
     held_res = {}
     if held:
         first = max(args.held_out_from, per_kind)
         print(f"\nheld-out seeds {first}-{first + held - 1}:")
-        held_res = evaluate(held, config, first)
+        held_res = evaluate(held, config, first, args.zeros)
         _print(held_res)
         _print_by_phi(held_res)
     long_run = _long_run(args.long_steps, args.long_n, config) if args.long_steps else None
@@ -214,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"5-sd threshold: median {np.median(base_delays)} with {base_false + base_early} false alarms",
                     "-", "median <= 5 steps", med is not None and med <= 5),
     ]
+    if args.zeros:
+        summary.append(_zeros_row(res, f"seeds 0-{per_kind - 1}"))
     if held:
         h_false, h_early, h_missed, h_med = _totals(held_res)
         summary.append(summary_row(
@@ -222,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
             "misses, time to alert", f"{h_false} false of {held * len(NO_CHANGE)}, {h_early} early of "
             f"{held * (len(CHANGES) - len(NO_CHANGE))}; misses " + ", ".join(f"{c} {v}" for c, v in h_missed.items() if v)
             + f"; median {h_med} steps", "-", "-", "0 false, 0 early", h_false + h_early == 0))
+        if args.zeros:
+            summary.append(_zeros_row(held_res, f"held-out seeds from {args.held_out_from}"))
+    if args.zeros:  # its rows beside the default run's in README's table
+        for row in summary:
+            if "exactly 0" not in row["benchmark"]:
+                row["benchmark"] = row["benchmark"].replace("divergence", "divergence, zeros in half the positive metrics", 1)
     for r in (r for x in (res, held_res) for row in x.values() for r in row.values()):
         r.pop("delays", None)
     if long_run is not None:
@@ -231,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
             f"divergence, {args.long_n} no-change candidates of {args.long_steps} steps: flagged",
             f"{long_run['flagged']} of {args.long_n}", "-", "-", "0", long_run["flagged"] == 0))
     default = not args.detector and args.held_out_from == HELD_OUT_FIRST and long_run is None
-    name = ("divergence_quality" if default else "divergence_quality_long" if long_run is not None and not args.detector
-            else "divergence_quality_options")  # README's figures: the default run, and the long one
+    name = ("divergence_quality_zeros" if args.zeros else "divergence_quality" if default
+            else "divergence_quality_long" if long_run is not None and not args.detector
+            else "divergence_quality_options")  # README's figures: the default run, the long one, the zeros one
     write_result(name, {"env": env_info(), "per_kind": per_kind, "held_out_per_kind": held, "quick": args.quick,
                         "seconds": took, "config": repr(config), "scenarios": res, "held_out": held_res,
                         "long_run": long_run, "summary": summary})

@@ -10,7 +10,11 @@ configuration. What every run carries (references and candidates alike), drawn p
 - per-seed slow wander (AR(1) with phi 0.995) and a per-seed level offset, up to 0.35 noise sd each;
 - for positive heavy-tailed metrics (KL, clip rate, grad norm), the whole series is exp() of such a
   curve: the noise is right-skewed and grows with the level, as those metrics' noise does; the size of
-  a change is then counted in sd of the log.
+  a change is then counted in sd of the log;
+- with `zeros=True` (`bench.divergence_quality --zeros`), exact zeros in half of those positive metrics,
+  drawn apart from the rest (so every other value is the same as without them): 0 at the first step of
+  every run (KL new/old, clip rate on an on-policy first step), or 0 at 20-40% of each run's steps (a
+  clip rate that is often 0).
 
 Candidates: a seed of the same configuration (no change), one with three times the isolated spikes, one
 still running (cut at a random length), and the changes: level shifts of 2, 3 and 5 sd, a drift, a
@@ -44,6 +48,7 @@ class Scenario:
     phi: float
     dof: float
     positive: bool
+    zeros: str  # "none", "first" (each run's step 0 is 0) or "often" (20-40% of each run's steps)
     n_refs: int
     references: tuple[Trace, ...]
     candidate: Trace
@@ -86,7 +91,7 @@ def _trace(values: np.ndarray, run: str, key: str = "m") -> Trace:
                  np.zeros(len(values), np.int64))
 
 
-def scenario(seed: int, change: str, n_refs: int | None = None) -> Scenario:
+def scenario(seed: int, change: str, n_refs: int | None = None, zeros: bool = False) -> Scenario:
     """The labelled comparison number `seed` with the given change (one of CHANGES)."""
     if change not in CHANGES:
         raise ValueError(f"change {change!r}: use one of {', '.join(CHANGES)}")
@@ -124,20 +129,32 @@ def scenario(seed: int, change: str, n_refs: int | None = None) -> Scenario:
     elif change == "variance":
         cand[ONSET:] += cr.normal(0, 3.0, T - ONSET)  # noise sd 1 -> sqrt(10)
 
-    def finish(x: np.ndarray) -> np.ndarray:
-        return np.exp(level + log_scale * x) if positive else 10 + x
+    # zeros from their own generators: the draws above are those of the set without them
+    zr = np.random.default_rng([seed, 7, 7])
+    kind = str(zr.choice(["none", "first", "often"], p=[0.5, 0.3, 0.2])) if positive and zeros else "none"
+    zero_rate = zr.uniform(0.2, 0.4)
 
-    refs_v = [finish(r) for r in refs]
-    cand_v = finish(cand)
+    def finish(x: np.ndarray, j: int) -> np.ndarray:
+        if not positive:
+            return 10 + x
+        v = np.exp(level + log_scale * x)
+        if kind == "first":
+            v[0] = 0.0
+        elif kind == "often":
+            v[np.random.default_rng([seed, j, 7]).random(len(v)) < zero_rate] = 0.0
+        return v
+
+    refs_v = [finish(r, j) for j, r in enumerate(refs)]
+    cand_v = finish(cand, 99)
     if change == "nan":
         cand_v[ONSET:] = np.nan
     elif change == "inf":
         cand_v[ONSET:] = MAX_FLOAT
-    return Scenario(change, onset, phi, dof, positive, n_refs,
+    return Scenario(change, onset, phi, dof, positive, kind, n_refs,
                     tuple(_trace(r, f"ref{j}") for j, r in enumerate(refs_v)), _trace(cand_v, "cand"))
 
 
-def make_set(n: int, changes: tuple[str, ...] = CHANGES, first: int = 0) -> list[Scenario]:
+def make_set(n: int, changes: tuple[str, ...] = CHANGES, first: int = 0, zeros: bool = False) -> list[Scenario]:
     """`n` comparisons per change kind (seeds first..first+n-1, each with its own noise draw). The
     defaults were chosen on seeds 0-39: `first=40` scores them on draws they were not chosen on."""
-    return [scenario(seed, change) for change in changes for seed in range(first, first + n)]
+    return [scenario(seed, change, zeros=zeros) for change in changes for seed in range(first, first + n)]

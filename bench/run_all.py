@@ -25,9 +25,11 @@ BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "log_stall", 
               "divergence_quality", "divergence_speed", "report_build", "dashboard_load", "install_footprint", "journal_scale",
               "team_load", "logits_memory", "entropy_cache")
 # rows of results `run_all` does not produce itself (a longer run of a benchmark, by its own command)
-TABLE = (*BENCHMARKS[:3], "overhead_d1024", *BENCHMARKS[3:8], "divergence_quality_long", *BENCHMARKS[8:])
+TABLE = (*BENCHMARKS[:3], "overhead_d1024", *BENCHMARKS[3:8], "divergence_quality_long", "divergence_quality_zeros",
+         *BENCHMARKS[8:])
 # overhead_d1024: python -m bench.overhead --d-model 1024 --blocks 6 --block-steps 4;
-# divergence_quality_long: python -m bench.divergence_quality --long-steps 100000 --held-out 0 --per-kind 1
+# divergence_quality_long: python -m bench.divergence_quality --long-steps 100000 --held-out 0 --per-kind 1;
+# divergence_quality_zeros: python -m bench.divergence_quality --zeros
 COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 
 

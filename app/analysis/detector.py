@@ -17,7 +17,8 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
   seed-to-seed spread, estimated from the references' smoothed curves (shrunk towards a prior of
   `seed_spread` noise sd, which is all a single reference can give).
 - Positive heavy-tailed metrics (KL, clip rate, grad norm) are compared as logs, where their noise is
-  symmetric, when all reference values are positive and the log is the less skewed scale.
+  symmetric, when the references' values are positive (but for at most `MAX_ZEROS` exact zeros) and the
+  log is the less skewed scale.
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact by a CUSUM split before the alert.
@@ -118,14 +119,22 @@ def _skew(x: np.ndarray) -> float:
     return float((q90 + q10 - 2 * q50) / (q90 - q10)) if q90 > q10 else 0.0
 
 
+# A positive metric may be exactly 0 at up to this fraction of its points and still be compared as logs:
+# KL new/old and the clip rate are 0 on an on-policy first step (a zero becomes far below, one point
+# that the medians pass over). One such zero used to keep the metric on its right-skewed linear scale.
+MAX_ZEROS = 0.1
+
+
 def _use_log(refs: np.ndarray, detrend: int) -> tuple[bool, np.ndarray | None]:
     """Positive metrics whose residuals are less skewed as logs (KL, clip rate, grad norm); also the
     references' wide smooth where it was computed (the noise model reuses it)."""
     ok = refs[np.isfinite(refs)]
-    if len(ok) < 8 or ok.min() <= 0:
+    pos = ok > 0
+    if pos.sum() < 8 or ok.min() < 0 or pos.mean() < 1 - MAX_ZEROS:
         return False, None
     wide = rolling(refs, detrend, "median", center=True)
-    lg = np.log(refs)
+    with quiet():
+        lg = np.log(np.where(refs > 0, refs, np.nan))
     lgr = lg - rolling(lg, detrend, "median", center=True)
     return abs(_skew(lgr.ravel())) + 0.05 < abs(_skew((refs - wide).ravel())), wide
 

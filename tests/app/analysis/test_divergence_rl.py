@@ -179,3 +179,44 @@ def test_with_two_or_more_references_the_change_bar_starts_lower_and_finds_a_3_s
     # one reference: nothing to leave out, the fixed bar
     one = rl.scenario(3, "none", n_refs=1)
     assert reference_model(tuple(one.references), DivergenceConfig()).noise.change_bar == (7.5, 7.5)
+
+
+def _kl_like(rng: np.random.Generator, n: int = 400) -> np.ndarray:
+    """KL new/old: log-normal AR(0.7) noise around 1e-4, exactly 0 at the first (on-policy) step."""
+    e = np.zeros(n)
+    for i in range(1, n):
+        e[i] = 0.7 * e[i - 1] + rng.normal(0, 0.5)
+    x = 1e-4 * np.exp(e)
+    x[0] = 0.0
+    return x
+
+
+def test_a_kl_like_metric_that_is_0_at_its_first_step_is_compared_as_logs():
+    # one exact zero kept such a metric on its right-skewed linear scale, where same-distribution
+    # candidates were flagged (1 of these 40 with 3 references; 6 of 40 with 2, 1 now); it is compared as
+    # logs now, the zero far below (one point the medians pass over), and a 30x rise (5 log sd) is still
+    # found after it starts
+    from rldiag.app.analysis.detector import reference_model
+
+    flagged, found = [], []
+    for seed in range(40):
+        rng = np.random.default_rng([seed, 3])
+        refs = [trace(_kl_like(rng), f"r{j}") for j in range(3)]
+        c = _kl_like(rng)
+        assert reference_model(tuple(refs), DivergenceConfig()).noise.log
+        if detect_divergence(refs, trace(c)).diverged:
+            flagged.append(seed)
+        c[200:] *= 30
+        d = detect_divergence(refs, trace(c))
+        found.append(d.diverged and d.alert_step >= 200 and d.departures[0].delta > 0)
+    assert flagged == []
+    assert all(found)
+
+
+def test_a_metric_often_exactly_0_stays_on_its_linear_scale():
+    # a clip rate that is 0 at 30% of its steps: a log would put a third of its points at the floor
+    from rldiag.app.analysis.detector import reference_model
+
+    rng = np.random.default_rng(5)
+    refs = [trace(rng.lognormal(-5, 1.0, 300) * (rng.random(300) > 0.3), f"r{j}") for j in range(2)]
+    assert not reference_model(tuple(refs), DivergenceConfig()).noise.log
