@@ -17,8 +17,9 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
   seed-to-seed spread, estimated from the references' smoothed curves (shrunk towards a prior of
   `seed_spread` noise sd, which is all a single reference can give).
 - Positive heavy-tailed metrics (KL, clip rate, grad norm) are compared as logs, where their noise is
-  symmetric, when the references' values are positive (but for at most `MAX_ZEROS` exact zeros) and the
-  log is the less skewed scale.
+  symmetric, when the references' values are positive (but for at most `MAX_ZEROS` exact zeros) and
+  their noise is multiplicative: its scale grows with the level, where the level moves 2x or more;
+  else the log is the less skewed scale (`_use_log`).
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact by a CUSUM split before the alert.
@@ -126,17 +127,44 @@ MAX_ZEROS = 0.1
 
 
 def _use_log(refs: np.ndarray, detrend: int) -> tuple[bool, np.ndarray | None]:
-    """Positive metrics whose residuals are less skewed as logs (KL, clip rate, grad norm); also the
-    references' wide smooth where it was computed (the noise model reuses it)."""
+    """Positive metrics whose noise is multiplicative (KL, clip rate, grad norm) are compared as logs;
+    also the references' wide smooth where it was computed (the noise model reuses it).
+
+    Where the references' level moves 2x or more, how the noise's scale follows it decides (logs if
+    it grows with the level); elsewhere, whichever scale leaves the residuals less skewed. The skew
+    alone confused a curve's bend with its noise: an entropy-like decaying curve with additive noise
+    went to logs, where the noise grows as the curve falls, and same-distribution candidates were
+    flagged (tests/app/analysis/test_divergence_rl.py)."""
     ok = refs[np.isfinite(refs)]
     pos = ok > 0
     if pos.sum() < 8 or ok.min() < 0 or pos.mean() < 1 - MAX_ZEROS:
         return False, None
     wide = rolling(refs, detrend, "median", center=True)
+    slope = _scale_slope(refs, wide, detrend)
+    if slope is not None:
+        return slope > 0.5, wide
     with quiet():
         lg = np.log(np.where(refs > 0, refs, np.nan))
     lgr = lg - rolling(lg, detrend, "median", center=True)
     return abs(_skew(lgr.ravel())) + 0.05 < abs(_skew((refs - wide).ravel())), wide
+
+
+def _scale_slope(refs: np.ndarray, wide: np.ndarray, detrend: int) -> float | None:
+    """The slope of log(the noise's local scale) on log(the level), over the references' points (every
+    8th: neighbours are alike): about 1 for multiplicative noise, 0 for additive; None where the level
+    moves less than 2x (10th to 90th percentile), too little to tell."""
+    with quiet():
+        x = np.log(wide).ravel()[::8]
+    fin = np.isfinite(x)
+    if fin.sum() < 8:
+        return None
+    lo, hi = np.quantile(x[fin], [0.1, 0.9])
+    if hi - lo < np.log(2):
+        return None
+    with quiet():
+        y = np.log(rolling(np.abs(refs - wide), detrend, "median", center=True)).ravel()[::8]
+    ok = fin & np.isfinite(y)
+    return float(np.polyfit(x[ok], y[ok], 1)[0]) if ok.sum() >= 8 else None
 
 
 def transform(values: np.ndarray, log: bool, floor: float) -> np.ndarray:
@@ -218,7 +246,11 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             est = max(est - sigma**2 * ar_mean_var(config.detrend_window, phi), 0.0)
         else:
             est = 0.0
-        prior, k0 = (config.seed_spread * sigma) ** 2, config.seed_spread_weight
+        import os
+        rho = float(os.environ.get("RHO", "0"))
+        rng_c = (float(np.nanquantile(center, 0.95) - np.nanquantile(center, 0.05))
+                 if np.isfinite(center).any() else 0.0)
+        prior, k0 = max(config.seed_spread * sigma, rho * rng_c) ** 2, config.seed_spread_weight
         spread = float(np.sqrt(((n - 1) * est + k0 * prior) / (n - 1 + k0)))
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
 

@@ -220,3 +220,36 @@ def test_a_metric_often_exactly_0_stays_on_its_linear_scale():
     rng = np.random.default_rng(5)
     refs = [trace(rng.lognormal(-5, 1.0, 300) * (rng.random(300) > 0.3), f"r{j}") for j in range(2)]
     assert not reference_model(tuple(refs), DivergenceConfig()).noise.log
+
+
+def test_an_entropy_like_curve_with_additive_noise_is_compared_as_itself():
+    # a decaying curve (2 -> 0.05) with additive noise: the bend of the curve made its linear residuals
+    # look skewed, so some went to logs, where the noise grows as the curve falls: 2 of these 30
+    # same-distribution candidates were flagged (3 log-compared). Its noise does not grow with its
+    # level, so it stays linear; a 5-sd drop from step 300 is found after it starts.
+    from rldiag.app.analysis.detector import reference_model
+
+    flagged, found = [], []
+    for seed in range(30):
+        rng = np.random.default_rng([seed, 3, 11])
+        curve = 0.05 + 2.0 * np.exp(-np.arange(600) / 150)
+        refs = [trace(curve + rng.normal(0, 0.02, 600), f"r{j}") for j in range(3)]
+        c = curve + rng.normal(0, 0.02, 600)
+        assert not reference_model(tuple(refs), DivergenceConfig()).noise.log
+        if detect_divergence(refs, trace(c)).diverged:
+            flagged.append(seed)
+        c[300:] -= 0.1
+        d = detect_divergence(refs, trace(c))
+        found.append(d.diverged and d.alert_step >= 300 and d.departures[0].delta < 0)
+    assert flagged == []
+    assert all(found)
+
+
+def test_a_kl_like_metric_whose_level_moves_stays_on_logs():
+    # multiplicative noise on a level that rises 10x over the run: its scale grows with the level
+    from rldiag.app.analysis.detector import reference_model
+
+    rng = np.random.default_rng(2)
+    level = 1e-4 * np.exp(np.linspace(0, np.log(10), 400))
+    refs = [trace(level * np.exp(0.4 * rng.standard_normal(400)), f"r{j}") for j in range(2)]
+    assert reference_model(tuple(refs), DivergenceConfig()).noise.log
