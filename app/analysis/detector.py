@@ -246,11 +246,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             est = max(est - sigma**2 * ar_mean_var(config.detrend_window, phi), 0.0)
         else:
             est = 0.0
-        import os
-        rho = float(os.environ.get("RHO", "0"))
-        rng_c = (float(np.nanquantile(center, 0.95) - np.nanquantile(center, 0.05))
-                 if np.isfinite(center).any() else 0.0)
-        prior, k0 = max(config.seed_spread * sigma, rho * rng_c) ** 2, config.seed_spread_weight
+        prior, k0 = (config.seed_spread * sigma) ** 2, config.seed_spread_weight
         spread = float(np.sqrt(((n - 1) * est + k0 * prior) / (n - 1 + k0)))
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
 
