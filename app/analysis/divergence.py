@@ -173,6 +173,9 @@ class Divergence:
     detectable: float = float("nan")  # smallest lasting shift (metric units) the longest window that fills flags
     candidate_level: float = float("nan")  # the candidate's median over the first departure, metric units
     reference_level: float = float("nan")  # the reference centre's median over it
+    # the candidate's logged steps after the references' last step (not compared: no band there), and that step
+    steps_after_references: int = 0
+    references_end_step: int | None = None
 
     @property
     def diverged(self) -> bool:
@@ -198,12 +201,24 @@ class Divergence:
         if status == DIVERGED:
             return "diverged"
         if status == WITHIN:
+            past = self.past_references_text()
             if math.isfinite(self.detectable) and self.detectable > 0:
-                return f"within the band (a lasting shift under {self.detectable:.3g} would not show)"
-            return "within the band"
+                return f"within the band{past} (a lasting shift under {self.detectable:.3g} would not show)"
+            return f"within the band{past}"
+        after = (f"; the references end at step {self.references_end_step}: {self.steps_after_references} later "
+                 f"step{'' if self.steps_after_references == 1 else 's'} not compared" if self.steps_after_references else "")
         if self.steps_compared == 0:
-            return "not compared (0 steps)"
-        return f"not enough steps ({self.steps_compared} compared, {self.steps_needed} needed)"
+            return f"not compared (0 steps{after})"
+        return f"not enough steps ({self.steps_compared} compared, {self.steps_needed} needed{after})"
+
+    def past_references_text(self) -> str:
+        """" to step 399 (the references end there: 400 later steps not compared)", or "" when the
+        candidate logged no step past the references' last."""
+        if not self.steps_after_references:
+            return ""
+        n = self.steps_after_references
+        return (f" to step {self.references_end_step} (the references end there: {n} later "
+                f"step{'' if n == 1 else 's'} not compared)")
 
 
 def detectable_text(verdicts: Sequence[Divergence]) -> str:
@@ -342,18 +357,22 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     bar = model.noise.threshold[usable[-1]] * model.noise.null_sd[usable[-1]]
     with quiet():
         detectable = float(np.nanmedian(np.abs(_inverse(model, center_t + bar) - center_m))) if len(steps) else float("nan")
+    ref_end = int(model.steps[-1]) if len(model.steps) else None
+    after = int((candidate.steps > ref_end).sum()) if ref_end is not None else 0
+    tail = {"steps_after_references": after, "references_end_step": ref_end if after else None}
     if not deps:
         return Divergence(candidate.key, None, None, None, float("nan"), float("nan"), first_bad, compared,
-                          config.min_steps, detectable=detectable)
+                          config.min_steps, detectable=detectable, **tail)
     d0 = deps[0]
     return Divergence(candidate.key, d0.onset_step, d0.kind, d0.end_step, d0.delta,
                       d0.delta_sigma if d0.kind == "level" else float("nan"), first_bad, compared,
-                      config.min_steps, d0.alert_step, tuple(deps), detectable, d0.candidate, d0.reference)
+                      config.min_steps, d0.alert_step, tuple(deps), detectable, d0.candidate, d0.reference, **tail)
 
 
 DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
                       "first_nonfinite_step", "steps_compared", "steps_needed", "alert_step", "detectable",
-                      "candidate_level", "reference_level", "status"]
+                      "candidate_level", "reference_level", "steps_after_references", "references_end_step",
+                      "status"]
 
 
 def compare_runs(histories: Histories, reference_ids: Sequence[str], candidate_ids: Sequence[str],
@@ -418,6 +437,8 @@ class CandidateSummary:
     # its non-finite steps are likely fp16 loss-scaler overflows (`step_events.with_overflow_hints`: an fp16
     # run rldiag did not watch); they stay non-finite steps, the headline says it beside them
     likely_overflows: bool = False
+    # key -> the references' last step, for metrics it logged past it (not compared there)
+    past_references: dict[str, int] = field(default_factory=dict)
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -443,8 +464,9 @@ class CandidateSummary:
 
     @property
     def clean(self) -> bool:
-        """Within the band on every metric it logged, each on enough steps, with finite gradients."""
-        return self.status == WITHIN and not self.thin and not self.not_compared
+        """Within the band on every metric it logged, each on enough steps and to its last step, with
+        finite gradients."""
+        return self.status == WITHIN and not self.thin and not self.not_compared and not self.past_references
 
 
 def last_logged(histories: Histories, run_id: str, keys: Sequence[str]) -> dict[str, int]:
@@ -494,5 +516,6 @@ def summarize(divergences: dict[str, dict[str, Divergence]], histories: Historie
         out.append(CandidateSummary(
             cand, needed, tuple(b.step for b in bad_steps(histories, cand)), departures,
             tuple(d for _, d in by[WITHIN]), tuple(d for _, d in by[NOT_ENOUGH_STEPS] if d.steps_compared > 0),
-            zero + no_ref, no_ref, last_logged(histories, cand, keys)))
+            zero + no_ref, no_ref, last_logged(histories, cand, keys),
+            past_references={k: d.references_end_step for k, d in mine if d.steps_after_references}))
     return out

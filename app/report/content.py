@@ -263,7 +263,8 @@ def _named(s: CandidateSummary, key: str) -> str:
 def evidence_parts(s: CandidateSummary) -> list[str]:
     """How much the comparison of `s` rests on, in words: the metrics compared on enough steps without
     a departure (only when it left no band: the departure says more), those with not enough steps,
-    those not compared, metrics that stop early. Counts only what was compared."""
+    those not compared, those compared only up to the references' last step, metrics that stop early.
+    Counts only what was compared."""
     parts = []
     if not s.departures and s.within:
         lead = "no departure on" if s.nonfinite_steps else "stays within the reference band on"
@@ -276,6 +277,12 @@ def evidence_parts(s: CandidateSummary) -> list[str]:
                      + ", ".join(_named(s, d.key) for d in s.thin))
     if s.not_compared:
         parts.append("not compared: " + ", ".join(_named(s, k) for k in s.not_compared))
+    if s.past_references:
+        by_end: dict[int, list[str]] = {}
+        for k, end in s.past_references.items():
+            by_end.setdefault(end, []).append(k)
+        parts.append("; ".join(f"compared only to step {end} on {', '.join(keys)} (the references end there; "
+                               "later steps not compared)" for end, keys in sorted(by_end.items())))
     listed = {d.key for d in s.thin} | set(s.not_compared)
     stopped = [f"{k} last logged at step {step}" for k, step in s.last_logged.items() if k not in listed]
     if stopped:

@@ -177,7 +177,8 @@ def test_too_few_compared_steps_is_not_enough_steps_never_within():
     assert apart.status == "diverged" and apart.onset_step == 0
     assert detect_divergence(r, trace(seed_run(5999, n=10)), DivergenceConfig(windows=(5, 9))).status == "within"
     empty = detect_divergence(r, trace(seed_run(5999, n=40), steps=np.arange(100, 140) + 1000))  # no common step
-    assert (empty.status, empty.steps_compared, empty.evidence) == ("not_enough_steps", 0, "not compared (0 steps)")
+    assert (empty.status, empty.steps_compared) == ("not_enough_steps", 0)
+    assert empty.evidence == f"not compared (0 steps; the references end at step {len(r[0]) - 1}: 40 later steps not compared)"
 
 
 def test_summary_per_candidate_nan_first_thin_not_compared_and_stopped_metrics(store_uri):

@@ -253,3 +253,37 @@ def test_a_kl_like_metric_whose_level_moves_stays_on_logs():
     level = 1e-4 * np.exp(np.linspace(0, np.log(10), 400))
     refs = [trace(level * np.exp(0.4 * rng.standard_normal(400)), f"r{j}") for j in range(2)]
     assert reference_model(tuple(refs), DivergenceConfig()).noise.log
+
+
+def test_a_candidate_longer_than_its_references_is_within_only_to_their_end():
+    # references of 300 steps, a candidate of 600 that leaves by 6 sd at step 400: nothing past step 299
+    # has a band, so "within the band" must say where it stops, never stand as the whole run's verdict;
+    # the headline (report, Markdown, Compare page lines) says it, and the candidate is not "clean"
+    from rldiag.app.analysis.divergence import compare_runs, summarize
+    from rldiag.app.data.histories import Histories
+    from rldiag.app.report.content import headline
+    from rldiag.collectors import keys as K
+
+    rng = np.random.default_rng(4)
+    c = 10 + rng.standard_normal(600)
+    c[400:] += 6.0
+    runs = {**{f"r{j}": 10 + rng.standard_normal(300) for j in range(3)}, "cand": c}
+    traces = {(r, K.LOSS): Trace(r, K.LOSS, K.LOSS, np.arange(len(v), dtype=np.int64), v,
+                                 np.arange(len(v), dtype=np.int64)) for r, v in runs.items()}
+    h = Histories("sqlite:///unused.db", "sql", traces, tuple(runs), {}, {}, {})
+    divs = compare_runs(h, ["r0", "r1", "r2"], ["cand"])
+    d = divs[K.LOSS]["cand"]
+    assert not d.diverged and d.steps_compared == 300
+    assert d.evidence.startswith("within the band to step 299 (the references end there: 300 later steps not compared)")
+    (s,) = summarize(divs, h, ["r0", "r1", "r2"], ["cand"])
+    assert not s.clean and s.past_references == {K.LOSS: 299}
+    line = headline(s, "cand")
+    assert f"compared only to step 299 on {K.LOSS} (the references end there; later steps not compared)" in line
+    from rldiag.app.dashboard.compare import glance_line
+
+    glance = glance_line([s], {"cand": "cand"}, 3)
+    assert "1 logged past the references' last step (not compared there)" in glance
+    # as long as the references: nothing to say
+    short = Trace("cand", K.LOSS, K.LOSS, np.arange(300, dtype=np.int64), c[:300], np.arange(300, dtype=np.int64))
+    d300 = detect_divergence([traces[f"r{j}", K.LOSS] for j in range(3)], short)
+    assert d300.steps_after_references == 0 and "references end" not in d300.evidence
