@@ -221,6 +221,15 @@ class Divergence:
                 f"step{'' if n == 1 else 's'} not compared)")
 
 
+def reference_note(n_references: int, config: DivergenceConfig = DivergenceConfig()) -> str:
+    """What a band of one reference run cannot tell ("" for 2 or more): how far seeds differ."""
+    if n_references != 1:
+        return ""
+    return (f"One reference run: how far seeds differ cannot be measured, so the band assumes "
+            f"{config.seed_spread:g} noise sd (seed_spread); a slow level departure may be seed-to-seed "
+            "variation. Two or more reference seeds measure it.")
+
+
 def detectable_text(verdicts: Sequence[Divergence]) -> str:
     """What "within" verdicts could have missed, the largest per metric: "a lasting shift under 0.05 on
     loss, 0.3 on reward/mean would not show" ("" when none says)."""

@@ -15,7 +15,9 @@ from rldiag.app.analysis.divergence import (
     NOT_COMPARED,
     NOT_ENOUGH_STEPS,
     CandidateSummary,
+    DivergenceConfig,
     detectable_text,
+    reference_note,
     size_text,
 )
 from rldiag.app.analysis.step_events import with_overflow_hints
@@ -161,6 +163,8 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         # `loaded` holds the signatures' own metrics too (page_keys), whatever the page charts
         causes = data.causes(sel.uri, loaded, tuple(refs), tuple(cands), data.runs_version(sel.runs, cands), summaries)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
+        if note := reference_note(len(refs), DivergenceConfig.from_env()):
+            st.caption(note)
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
             missed = detectable_text([d for s in summaries for d in s.within])  # what "within" could miss
             st.success(f"No candidate leaves {band} on the metrics shown{f' ({missed})' if missed else ''}.",

@@ -27,6 +27,7 @@ from rldiag.app.analysis.divergence import (
     compare_runs,
     detectable_text,
     divergence_frame,
+    reference_note,
     size_text,
     summarize,
 )
@@ -76,6 +77,7 @@ class ReportContent:
     histories: Histories | None = None  # what was loaded (the NaN episodes read which steps were checked)
     alerts: dict[str, list[dict]] = field(default_factory=dict)  # run -> its alert events (where a NaN entered)
     params: dict[str, dict[str, str]] = field(default_factory=dict)  # run -> its params (fp16 overflow hint)
+    reference_note: str = ""  # what a single reference cannot tell (divergence.reference_note)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -156,7 +158,8 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     return ReportContent(title, redact_uri(store.uri), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), infos,
                          tuple(keys), divergence, events, nonfinite, diff, figures, summaries, causes,
                          {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories,
-                         alerts=alerts, params={r: c.params for r, c in configs.items()})
+                         alerts=alerts, params={r: c.params for r, c in configs.items()},
+                         reference_note=reference_note(len(refs), divergence_config))
 
 
 def _color_order(store: Store, runs: list) -> list[str]:

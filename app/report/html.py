@@ -113,6 +113,8 @@ def _divergence(c: ReportContent) -> str:
     note = (f'<p class="note">A metric needs {needed} compared steps (candidate and a reference both logged, '
             'the band defined) before "no departure" means anything: fewer is "not enough steps".</p>'
             if needed else "")
+    if c.reference_note:
+        note += f'<p class="note">{e(c.reference_note)}</p>'
     return (note + _table(["candidate", "metric", "status", "onset step", "kind", "end step", "delta", "delta (sigma)",
                       "first non-finite step", "steps compared", "note"], rows, {3, 5, 6, 7, 8, 9}))
 

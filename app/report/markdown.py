@@ -66,6 +66,8 @@ def render_markdown(c: ReportContent) -> str:
             ""]
 
     out += ["### Divergence from the references", ""]
+    if c.reference_note:
+        out += [f"*{md(c.reference_note)}*", ""]
     summaries = {s.run_id: s for s in c.summaries}
     causes = {rc.run_id: rc for rc in c.causes}
     for s in c.summaries:

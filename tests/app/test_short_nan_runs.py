@@ -79,6 +79,9 @@ def test_report_headlines_nan_first_and_never_within_on_too_few_steps(store_uri)
     assert "<li>grpo-nan: non-finite gradients from step 4" in report.html
     for text in (report.markdown, report.html, printed):
         assert "within the reference band" not in text and "within the band" not in text
+    # one reference: the report says what it cannot tell (how far seeds differ), in both renderings
+    for text in (report.markdown, report.html):
+        assert "One reference run: how far seeds differ cannot be measured" in text
     # every other comparison is thin: 8 steps (or fewer) against the 18 "within" needs
     div = report.divergence.set_index("key")
     assert div.loc[K.GRAD_NORM, "status"] == "diverged" and div.loc[K.GRAD_NORM, "kind"] == "nonfinite"

@@ -287,3 +287,11 @@ def test_a_candidate_longer_than_its_references_is_within_only_to_their_end():
     short = Trace("cand", K.LOSS, K.LOSS, np.arange(300, dtype=np.int64), c[:300], np.arange(300, dtype=np.int64))
     d300 = detect_divergence([traces[f"r{j}", K.LOSS] for j in range(3)], short)
     assert d300.steps_after_references == 0 and "references end" not in d300.evidence
+
+
+def test_a_single_reference_says_what_it_cannot_tell():
+    from rldiag.app.analysis.divergence import reference_note
+
+    note = reference_note(1, DivergenceConfig(seed_spread=0.6))
+    assert note.startswith("One reference run: how far seeds differ cannot be measured, so the band assumes 0.6 noise sd")
+    assert reference_note(2) == reference_note(3) == ""

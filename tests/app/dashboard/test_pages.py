@@ -125,6 +125,7 @@ def test_compare_band_of_seeds_trl_aliases_and_a_run_without_canonical_metrics(d
     assert "leaves it first" in lines["v1 shifted"] and "stays within the reference band" in lines["trl run"]
     assert f"not compared: {keys.KL_REF} (no reference logged it)" in lines["trl run"]
     assert any("band of 3 reference runs" in c.value for c in at.caption)
+    assert not any("One reference run" in c.value for c in at.caption)  # 3 seeds measure their spread
 
 
 def test_compare_headlines_nan_first_on_two_short_trl_runs(store_uri, monkeypatch):
@@ -137,6 +138,7 @@ def test_compare_headlines_nan_first_on_two_short_trl_runs(store_uri, monkeypatc
     assert line.startswith(f"- **grpo-nan**: non-finite gradients from step {NAN_FROM} (5 steps)")
     assert f"not enough steps (4-8 compared, {NEEDED} needed)" in line and "within" not in line
     assert f"{keys.KL_REF} (last logged at step 4)" in line
+    assert any(c.value.startswith("One reference run: how far seeds differ cannot be measured") for c in at.caption)
     # without the grad norm charted the headline still knows: the gradient metrics load regardless
     at.multiselect(key="compare.metrics").set_value([keys.REWARD_MEAN, keys.LOSS]).run()
     line = divergence_lines(at)["grpo-nan"]
