@@ -193,7 +193,7 @@ def _kl_like(rng: np.random.Generator, n: int = 400) -> np.ndarray:
 
 def test_a_kl_like_metric_that_is_0_at_its_first_step_is_compared_as_logs():
     # one exact zero kept such a metric on its right-skewed linear scale, where same-distribution
-    # candidates were flagged (1 of these 40 with 3 references; 6 of 40 with 2, 1 now); it is compared as
+    # candidates were flagged (1 of these 40; with 2 references, seeds [s, 2]: 6 of 40, 1 now); it is compared as
     # logs now, the zero far below (one point the medians pass over), and a 30x rise (5 log sd) is still
     # found after it starts
     from rldiag.app.analysis.detector import reference_model
