@@ -177,7 +177,7 @@ def _totals(res: dict, det: str = "rldiag") -> tuple[int, int, dict, float | Non
     return false, early, {c: mine[c]["missed"] for c in MUST_DETECT}, float(np.median(pooled)) if pooled else None
 
 
-def _long_run(steps: int, n: int, config: DivergenceConfig) -> dict:
+def _long_run(steps: int, n: int, config: DivergenceConfig, zeros: bool = False) -> dict:
     """`n` no-change comparisons of bench.divergence_rl (seeds 0..n-1) with runs `steps` long."""
     import bench.divergence_rl as rl
 
@@ -185,7 +185,7 @@ def _long_run(steps: int, n: int, config: DivergenceConfig) -> dict:
     try:
         flagged = []
         for seed in tqdm(range(n), desc=f"{steps}-step runs", unit="run"):
-            s = rl.scenario(seed, "none")
+            s = rl.scenario(seed, "none", zeros=zeros)
             d = detect_divergence(list(s.references), s.candidate, config)
             if d.diverged:
                 flagged.append({"seed": seed, "phi": s.phi, "dof": s.dof, "n_refs": s.n_refs,
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         held_res = evaluate(held, config, first, args.zeros)
         _print(held_res)
         _print_by_phi(held_res)
-    long_run = _long_run(args.long_steps, args.long_n, config) if args.long_steps else None
+    long_run = _long_run(args.long_steps, args.long_n, config, args.zeros) if args.long_steps else None
     took = time.perf_counter() - t0
     false, early, missed, med = _totals(res)
     base_false, base_early, _, _ = _totals(res, "threshold-5sd")

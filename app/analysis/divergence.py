@@ -201,24 +201,20 @@ class Divergence:
         if status == DIVERGED:
             return "diverged"
         if status == WITHIN:
-            past = self.past_references_text()
+            past = (f" to step {self.references_end_step} (the references end there: {self._uncompared_tail()})"
+                    if self.steps_after_references else "")
             if math.isfinite(self.detectable) and self.detectable > 0:
                 return f"within the band{past} (a lasting shift under {self.detectable:.3g} would not show)"
             return f"within the band{past}"
-        after = (f"; the references end at step {self.references_end_step}: {self.steps_after_references} later "
-                 f"step{'' if self.steps_after_references == 1 else 's'} not compared" if self.steps_after_references else "")
+        after = (f"; the references end at step {self.references_end_step}: {self._uncompared_tail()}"
+                 if self.steps_after_references else "")
         if self.steps_compared == 0:
             return f"not compared (0 steps{after})"
         return f"not enough steps ({self.steps_compared} compared, {self.steps_needed} needed{after})"
 
-    def past_references_text(self) -> str:
-        """" to step 399 (the references end there: 400 later steps not compared)", or "" when the
-        candidate logged no step past the references' last."""
-        if not self.steps_after_references:
-            return ""
+    def _uncompared_tail(self) -> str:
         n = self.steps_after_references
-        return (f" to step {self.references_end_step} (the references end there: {n} later "
-                f"step{'' if n == 1 else 's'} not compared)")
+        return f"{n} later step{'' if n == 1 else 's'} not compared"
 
 
 def reference_note(n_references: int, config: DivergenceConfig = DivergenceConfig()) -> str:
