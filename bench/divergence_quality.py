@@ -8,6 +8,7 @@ onset error, per change kind, vs a fixed threshold.
     python -m bench.divergence_quality --held-out-from 120             # other held-out seeds
     python -m bench.divergence_quality --long-steps 100000 --held-out 0  # also 24 no-change runs of 100k steps
     python -m bench.divergence_quality --zeros   # exact zeros in half the positive metrics (first step, or 20-40%)
+    python -m bench.divergence_quality --zeros often  # every metric positive and exactly 0 at 20-40% of steps
 
 The set is `bench.divergence_rl` (AR(1) noise to phi 0.85, Student-t tails, spikes and bursts in every
 run, seed wander and offsets, log-normal positive metrics; 1 to 4 reference seeds): candidates with
@@ -66,7 +67,7 @@ def threshold_alert(s: Scenario, k: float) -> int | None:
     return int(s.candidate.steps[hits[0]]) if len(hits) else None
 
 
-def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: int = 0, zeros: bool = False) -> dict:
+def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: int = 0, zeros: bool | str = False) -> dict:
     config = config or DivergenceConfig()
     rows: dict[str, dict] = {}
     for change in tqdm(CHANGES, desc="change kinds", unit="kind"):
@@ -177,7 +178,7 @@ def _totals(res: dict, det: str = "rldiag") -> tuple[int, int, dict, float | Non
     return false, early, {c: mine[c]["missed"] for c in MUST_DETECT}, float(np.median(pooled)) if pooled else None
 
 
-def _long_run(steps: int, n: int, config: DivergenceConfig, zeros: bool = False) -> dict:
+def _long_run(steps: int, n: int, config: DivergenceConfig, zeros: bool | str = False) -> dict:
     """`n` no-change comparisons of bench.divergence_rl (seeds 0..n-1) with runs `steps` long."""
     import bench.divergence_rl as rl
 
@@ -214,25 +215,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
                     help="a DivergenceConfig option (repeatable), e.g. var_persist=12; results of a run "
                          "with options or --held-out-from go to divergence_quality_options.json")
-    ap.add_argument("--zeros", action="store_true",
+    ap.add_argument("--zeros", nargs="?", const="mixed", choices=("mixed", "often"), default=None,
                     help="exact zeros in half the positive metrics: at every run's first step, or at 20-40%% of its "
-                         "steps; results go to divergence_quality_zeros.json")
+                         "steps (results go to divergence_quality_zeros.json); 'often': every metric positive and "
+                         "exactly 0 at 20-40%% of its steps (divergence_quality_zeros_often.json)")
     args = ap.parse_args(argv)
     per_kind = 10 if args.quick else args.per_kind
     held = args.held_out if args.held_out is not None else (10 if args.quick else 80)
     config = DivergenceConfig.from_options(args.detector)
+    zeros = {None: False, "mixed": True, "often": "often"}[args.zeros]
     t0 = time.perf_counter()
-    res = evaluate(per_kind, config, zeros=args.zeros)
+    res = evaluate(per_kind, config, zeros=zeros)
     _print(res)
     _print_by_phi(res)
     held_res = {}
     if held:
         first = max(args.held_out_from, per_kind)
         print(f"\nheld-out seeds {first}-{first + held - 1}:")
-        held_res = evaluate(held, config, first, args.zeros)
+        held_res = evaluate(held, config, first, zeros)
         _print(held_res)
         _print_by_phi(held_res)
-    long_run = _long_run(args.long_steps, args.long_n, config, args.zeros) if args.long_steps else None
+    long_run = _long_run(args.long_steps, args.long_n, config, zeros) if args.long_steps else None
     took = time.perf_counter() - t0
     false, early, missed, med = _totals(res)
     base_false, base_early, _, _ = _totals(res, "threshold-5sd")
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"5-sd threshold: median {np.median(base_delays)} with {base_false + base_early} false alarms",
                     "-", "median <= 5 steps", med is not None and med <= 5),
     ]
-    if args.zeros:
+    if zeros is True:
         summary.append(_zeros_row(res, f"seeds 0-{per_kind - 1}"))
     if held:
         h_false, h_early, h_missed, h_med = _totals(held_res)
@@ -258,12 +261,14 @@ def main(argv: list[str] | None = None) -> int:
             "misses, time to alert", f"{h_false} false of {held * len(NO_CHANGE)}, {h_early} early of "
             f"{held * (len(CHANGES) - len(NO_CHANGE))}; misses " + ", ".join(f"{c} {v}" for c, v in h_missed.items() if v)
             + f"; median {h_med} steps", "-", "-", "0 false, 0 early", h_false + h_early == 0))
-        if args.zeros:
+        if zeros is True:
             summary.append(_zeros_row(held_res, f"held-out seeds from {args.held_out_from}"))
-    if args.zeros:  # its rows beside the default run's in README's table
+    if zeros:  # its rows beside the default run's in README's table
+        which = ("zeros in half the positive metrics" if zeros is True
+                 else "every metric positive and exactly 0 at 20-40% of steps")
         for row in summary:
-            if "exactly 0" not in row["benchmark"]:
-                row["benchmark"] = row["benchmark"].replace("divergence", "divergence, zeros in half the positive metrics", 1)
+            if "exactly 0" not in row["benchmark"] or zeros == "often":
+                row["benchmark"] = row["benchmark"].replace("divergence", f"divergence, {which}", 1)
     for r in (r for x in (res, held_res) for row in x.values() for r in row.values()):
         r.pop("delays", None)
     if long_run is not None:
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             f"divergence, {args.long_n} no-change candidates of {args.long_steps} steps: flagged",
             f"{long_run['flagged']} of {args.long_n}", "-", "-", "0", long_run["flagged"] == 0))
     default = not args.detector and args.held_out_from == HELD_OUT_FIRST and long_run is None
-    name = ("divergence_quality_zeros" if args.zeros else "divergence_quality" if default
+    name = ("divergence_quality_zeros_often" if zeros == "often" else "divergence_quality_zeros" if zeros else "divergence_quality" if default
             else "divergence_quality_long" if long_run is not None and not args.detector
             else "divergence_quality_options")  # README's figures: the default run, the long one, the zeros one
     write_result(name, {"env": env_info(), "per_kind": per_kind, "held_out_per_kind": held, "quick": args.quick,

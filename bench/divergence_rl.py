@@ -14,7 +14,8 @@ configuration. What every run carries (references and candidates alike), drawn p
 - with `zeros=True` (`bench.divergence_quality --zeros`), exact zeros in half of those positive metrics,
   drawn apart from the rest (so every other value is the same as without them): 0 at the first step of
   every run (KL new/old, clip rate on an on-policy first step), or 0 at 20-40% of each run's steps (a
-  clip rate that is often 0).
+  clip rate that is often 0); with `zeros="often"` (`--zeros often`), every metric is positive and
+  exactly 0 at 20-40% of each run's steps.
 
 Candidates: a seed of the same configuration (no change), one with three times the isolated spikes, one
 still running (cut at a random length), and the changes: level shifts of 2, 3 and 5 sd, a drift, a
@@ -91,14 +92,16 @@ def _trace(values: np.ndarray, run: str, key: str = "m") -> Trace:
                  np.zeros(len(values), np.int64))
 
 
-def scenario(seed: int, change: str, n_refs: int | None = None, zeros: bool = False) -> Scenario:
-    """The labelled comparison number `seed` with the given change (one of CHANGES)."""
+def scenario(seed: int, change: str, n_refs: int | None = None, zeros: bool | str = False) -> Scenario:
+    """The labelled comparison number `seed` with the given change (one of CHANGES). `zeros`: False,
+    True (half the positive metrics get exact zeros) or "often" (every metric positive and 0 at 20-40%
+    of its steps)."""
     if change not in CHANGES:
         raise ValueError(f"change {change!r}: use one of {', '.join(CHANGES)}")
     rng = np.random.default_rng(10_000 + seed)
     phi = float(rng.choice([0.0, 0.3, 0.6, 0.75, 0.85]))
     dof = float(rng.choice([3.0, 5.0, 30.0, np.inf]))
-    positive = bool(rng.random() < 0.4)
+    positive = bool(rng.random() < 0.4) or zeros == "often"
     n_refs = int(rng.choice([1, 2, 3, 4])) if n_refs is None else n_refs
     wander_sd, offset_sd = rng.uniform(0, 0.35), rng.uniform(0, 0.35)
     t = np.arange(T)
@@ -132,6 +135,7 @@ def scenario(seed: int, change: str, n_refs: int | None = None, zeros: bool = Fa
     # zeros from their own generators: the draws above are those of the set without them
     zr = np.random.default_rng([seed, 7, 7])
     kind = str(zr.choice(["none", "first", "often"], p=[0.5, 0.3, 0.2])) if positive and zeros else "none"
+    kind = "often" if zeros == "often" else kind
     zero_rate = zr.uniform(0.2, 0.4)
 
     def finish(x: np.ndarray, j: int) -> np.ndarray:
@@ -154,7 +158,7 @@ def scenario(seed: int, change: str, n_refs: int | None = None, zeros: bool = Fa
                     tuple(_trace(r, f"ref{j}") for j, r in enumerate(refs_v)), _trace(cand_v, "cand"))
 
 
-def make_set(n: int, changes: tuple[str, ...] = CHANGES, first: int = 0, zeros: bool = False) -> list[Scenario]:
+def make_set(n: int, changes: tuple[str, ...] = CHANGES, first: int = 0, zeros: bool | str = False) -> list[Scenario]:
     """`n` comparisons per change kind (seeds first..first+n-1, each with its own noise draw). The
     defaults were chosen on seeds 0-39: `first=40` scores them on draws they were not chosen on."""
     return [scenario(seed, change, zeros=zeros) for change in changes for seed in range(first, first + n)]

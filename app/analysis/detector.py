@@ -20,6 +20,11 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
   symmetric, when the references' values are positive (but for at most `MAX_ZEROS` exact zeros) and
   their noise is multiplicative: its scale grows with the level, where the level moves 2x or more;
   else the log is the less skewed scale (`_use_log`).
+- A non-negative metric exactly 0 at more than `MAX_ZEROS` of the references' points (a clip rate that
+  is often 0) is compared in two parts: its positive values, the zeros left out (as logs where the
+  above says so), and how often it is exactly 0 (`ZeroRate`: trailing zero fractions against the
+  references' local rate). On its linear scale a third of the points at 0 hid a drop toward 0 from the
+  trailing medians, and logs with the zeros far below put a third of the points at the floor.
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact by a CUSUM split before the alert.
@@ -94,6 +99,16 @@ class NoiseModel(NamedTuple):
     diff_scale: float  # robust sd of the references' step-to-step changes (what `candidate_scale` measures)
     var_bar: float  # candidate scale / diff_scale that is a variance departure (>= var_ratio; self-calibrated)
     change_bar: tuple[float, ...]  # per change_windows pair, in change sd (>= k_change, k_change_loo with 2+ seeds; self-calibrated)
+    fill: float = 1.0  # fraction of the references' points in the compared values (< 1: the two-part comparison's zeros left out)
+
+
+class ZeroRate(NamedTuple):
+    """The two-part comparison's second part: how often the references are exactly 0."""
+
+    rate: np.ndarray  # per reference step: the references' local fraction of exact zeros (a centred mean)
+    phi: float  # lag-1 autocorrelation of the 0/1 indicator around it
+    null_sd: tuple[float, ...]  # per trailing window: sd of (candidate's zero fraction - rate) under no change
+    threshold: tuple[float, ...]  # per trailing window, in null sd (>= k; self-calibrated as the level bars)
 
 
 def ar_mean_var(m: int, phi: float) -> float:
@@ -112,6 +127,26 @@ def ar_diff_var(q: int, p: int, phi: float) -> float:
     return float(w @ cov @ w)
 
 
+def thin_mean_var(m: int, phi: float, fill: float = 1.0) -> float:
+    """`ar_mean_var` where each of the `m` steps holds a point with probability `fill` (the two-part
+    comparison's zeros are left out): fewer points, as correlated as their steps. Averaged over which
+    steps hold one, (1/(f m)^2) (f m + f^2 (m^2 ar_mean_var - m)) = ar_mean_var + (1 - f) / (f m)."""
+    return ar_mean_var(m, phi) + (1 - fill) / (fill * m)
+
+
+def thinned_phi(phi: float, fill: float) -> float:
+    """Lag-1 autocorrelation of AR(1) points once each step holds one with probability `fill` (the
+    two-part comparison's zeros left out), counted in points: E[phi^gap] over geometric gaps. Points d
+    apart correlate as its d-th power, so the kept points are AR(1) with it."""
+    return fill * phi / (1 - (1 - fill) * phi) if fill < 1 else phi
+
+
+def points(x: np.ndarray, compress: bool) -> np.ndarray:
+    """`x`'s finite points alone where `compress` (the two-part comparison: windows count points, so a
+    burst of fewer than half a window's points cannot move its median, whatever the zeros around it)."""
+    return x[np.isfinite(x)] if compress else x
+
+
 def _skew(x: np.ndarray) -> float:
     x = x[np.isfinite(x)]
     if len(x) < 8:
@@ -124,6 +159,20 @@ def _skew(x: np.ndarray) -> float:
 # KL new/old and the clip rate are 0 on an on-policy first step (a zero becomes far below, one point
 # that the medians pass over). One such zero used to keep the metric on its right-skewed linear scale.
 MAX_ZEROS = 0.1
+# Beyond it, the two-part comparison, where the references hold this many positive values (else the linear
+# scale, as before: a metric that is nearly always 0 has too few to model).
+MIN_TWO_PART_POSITIVE = 30
+
+
+def two_part(raw: np.ndarray) -> tuple[bool, float]:
+    """Whether the references (steps x seeds, NaN where missing) are compared in two parts (non-negative,
+    exactly 0 at more than MAX_ZEROS of their points, MIN_TWO_PART_POSITIVE positive values or more), and
+    the fraction of their finite points that are positive."""
+    ok = raw[np.isfinite(raw)]
+    if not len(ok) or ok.min() < 0:
+        return False, 1.0
+    pos = ok > 0
+    return bool(pos.mean() < 1 - MAX_ZEROS and pos.sum() >= MIN_TWO_PART_POSITIVE), float(pos.mean())
 
 
 def _use_log(refs: np.ndarray, detrend: int) -> tuple[bool, np.ndarray | None]:
@@ -167,9 +216,12 @@ def _scale_slope(refs: np.ndarray, wide: np.ndarray, detrend: int) -> float | No
     return float(np.polyfit(x[ok], y[ok], 1)[0]) if ok.sum() >= 8 else None
 
 
-def transform(values: np.ndarray, log: bool, floor: float) -> np.ndarray:
+def transform(values: np.ndarray, log: bool, floor: float, zeros_out: bool = False) -> np.ndarray:
     """The compared scale; a value <= 0 where the references are positive becomes far below them, a
-    missing one (NaN) stays missing (not compared; NaN > 0 is False, so it would become the floor)."""
+    missing one (NaN) stays missing (not compared; NaN > 0 is False, so it would become the floor).
+    `zeros_out` (the two-part comparison): exact zeros are left out (NaN), compared by `ZeroRate`."""
+    if zeros_out:
+        values = np.where(values == 0, np.nan, values)
     if not log:
         return values
     with quiet():
@@ -181,10 +233,12 @@ class RefModel:
     """The references on their own step grid: smoothed centre, noise model (cached per references+config)."""
 
     steps: np.ndarray
-    values: np.ndarray  # (steps x seeds), compared scale, NaN where missing or non-finite
+    values: np.ndarray  # (steps x seeds), compared scale, NaN where missing or non-finite (or a left-out zero)
     center: np.ndarray  # compared scale
     log_floor: float
     noise: NoiseModel
+    ref_ok: np.ndarray  # per step: some reference logged a finite value there (the steps compared)
+    zeros: ZeroRate | None = None  # the two-part comparison's zero rate; None: one part
 
 
 # A trailing window reports once half of it is filled (at a run's start, and for the shortest window in
@@ -215,12 +269,19 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         ref_nonfinite |= bool(np.isnan(v).any() and len(v))
         raw[pos, j] = v
     with quiet():
-        log, raw_wide = _use_log(raw, config.detrend_window)
+        split, fill = two_part(raw)
+        fill = fill if split else 1.0
+        level_raw = np.where(raw == 0, np.nan, raw) if split else raw
+        log, raw_wide = _use_log(level_raw, config.detrend_window)
         pos_min = np.nanmin(np.where(raw > 0, raw, np.nan)) if log else 1.0
         log_floor = float(pos_min) / 10 if log else 1.0
-        vals = transform(raw, log, log_floor)
-        smooth = rolling(vals, config.window, "median", center=True, min_periods=config.window // 2 + 1)
+        vals = transform(raw, log, log_floor, zeros_out=split)
+        # a centre point needs half the window's points (half of those it holds, where zeros are left out)
+        need = max(1, int(np.ceil((config.window // 2 + 1) * fill)))
+        smooth = rolling(vals, config.window, "median", center=True, min_periods=need)
         center = row_nanmedian(smooth)
+        if split:  # between positive points the centre is their interpolation (steps where all are 0)
+            center = _interpolate(center)
         # Point noise and its autocorrelation from each seed's residual around a wide smooth (trend out):
         # structure function D(h) = robust variance of x[t+h] - x[t]; AR(1): D(2)/D(1) = 1 + phi.
         wide = (raw_wide if raw_wide is not None and not log
@@ -243,37 +304,39 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             wide_c = row_nanmedian(wide)
             dev = wide - wide_c[:, None]
             est = float(np.nanmean(dev**2) * n / (n - 1)) if np.isfinite(dev).any() else 0.0
-            est = max(est - sigma**2 * ar_mean_var(config.detrend_window, phi), 0.0)
+            est = max(est - sigma**2 * thin_mean_var(config.detrend_window, phi, fill), 0.0)
         else:
             est = 0.0
         prior, k0 = (config.seed_spread * sigma) ** 2, config.seed_spread_weight
         spread = float(np.sqrt(((n - 1) * est + k0 * prior) / (n - 1 + k0)))
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
+        # windows count points: where zeros are left out, a window's points are thinned steps
+        phi_w = thinned_phi(phi, fill)
 
         def null_sd_of(m: int, seeds: int) -> float:
             """sd of (a seed's trailing m-median - the centre of `seeds` seeds) under no change: its own noise,
             the centre's error (a w-step smooth averaged over m >= w steps errs as the raw points' m-step
             average does) and the seed-to-seed spread."""
-            center_var = median_var(phi) * sigma**2 * ar_mean_var(max(m, config.window), phi) / max(seeds, 1)
-            v = median_var(phi) * sigma**2 * ar_mean_var(m, phi) + center_var + spread**2 * (1 + 1 / max(seeds, 1))
+            center_var = median_var(phi_w) * sigma**2 * ar_mean_var(max(m, config.window), phi_w) / max(seeds, 1)
+            v = median_var(phi_w) * sigma**2 * ar_mean_var(m, phi_w) + center_var + spread**2 * (1 + 1 / max(seeds, 1))
             return max(float(np.sqrt(v)), config.min_delta / config.k, 1e-9 * max(1.0, scale_of_level))
 
         # The candidate against its own recent past (relative to the centre): seed offsets and wander
         # cancel, so an abrupt change shows long before its level clears the seed spread.
-        change_sd = tuple(max(float(np.sqrt(median_var(phi) * sigma**2 * ar_diff_var(q, p, phi))),
+        change_sd = tuple(max(float(np.sqrt(median_var(phi_w) * sigma**2 * ar_diff_var(q, p, phi_w))),
                               1e-9 * max(1.0, scale_of_level)) for q, p in config.change_windows)
-        loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd)
+        loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd, split)
         null_sd, thresholds = [], []
         for wi, m in enumerate(config.windows):
             sd = null_sd_of(m, n)
             null_sd.append(sd)
             # Self-calibration: the largest |trailing median| each seed's own residual reaches on this window
             # (bursts, heavy tails) sets the bar for a candidate of the same configuration.
-            own_sd = np.sqrt(median_var(phi) * sigma**2 * ar_mean_var(m, phi))
+            own_sd = np.sqrt(median_var(phi_w) * sigma**2 * ar_mean_var(m, phi_w))
             top = 0.0
             if own_sd > 0:
                 for j in range(n):
-                    tm = _trailing_median(resid[:, j], m)
+                    tm = _trailing_median(points(resid[:, j], split), m)
                     if np.isfinite(tm).any():
                         top = max(top, float(np.nanmax(np.abs(tm))) / own_sd)
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
@@ -288,14 +351,88 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         # gave 19 held-out false alarms instead of 8.
         k_floor = config.k_change if n < 2 else config.k_change_loo
         change_bar = tuple(max(k_floor, config.calibration_margin * c) for c in loo_change)
-        diff_scale, var_bar = _variance_bar(vals, sigma, phi, config)
+        diff_scale, var_bar = _variance_bar(vals, sigma, phi, config, compress=split)
+        zeros = _zero_rate(raw, config) if split else None
     noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
-                       diff_scale, var_bar, change_bar)
-    return RefModel(steps, vals, center, log_floor, noise)
+                       diff_scale, var_bar, change_bar, fill)
+    ref_ok = np.isfinite(raw).any(axis=1) if raw.shape[1] else np.zeros(len(steps), bool)
+    return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros)
 
 
-def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, change_sd: tuple[float, ...]
-                   ) -> tuple[list[float], list[float]]:
+def _interpolate(x: np.ndarray) -> np.ndarray:
+    """NaN between finite values filled by linear interpolation over the index (the ends stay NaN)."""
+    ok = np.flatnonzero(np.isfinite(x))
+    if len(ok) < 2:
+        return x
+    out = x.copy()
+    inner = np.arange(ok[0], ok[-1] + 1)
+    out[inner] = np.interp(inner, ok, x[ok])
+    return out
+
+
+def trailing_mean(x: np.ndarray, m: int) -> np.ndarray:
+    """Mean of the finite points among the last `m` up to each index (NaN until `min_points(m)`)."""
+    return rolling(x, m, "mean", center=False, min_periods=min_points(m))
+
+
+def zero_indicator(values: np.ndarray) -> np.ndarray:
+    """1 where a value is exactly 0, 0 where it is another finite value, NaN where it is not finite."""
+    v = finite_values(values)
+    return np.where(np.isfinite(v), (v == 0).astype(float), np.nan)
+
+
+def _zero_rate(raw: np.ndarray, config) -> ZeroRate:
+    """How often the references are exactly 0, and how far a candidate's trailing zero fraction strays
+    from it under no change: binomial noise with the indicator's autocorrelation, the centre's own error
+    and the seed-to-seed spread of the rate (from the seeds, shrunk towards a prior of `zero_seed_spread`
+    sd of one step's 0/1). Each window's bar rises above what the references reach on it, their own
+    wander and (2 or more seeds) each left out against the others, as the level bars do."""
+    z = zero_indicator(raw)
+    n, w = z.shape[1], config.detrend_window
+    own = rolling(z, w, "mean", center=True, min_periods=1)  # each seed's local rate
+    rate = np.nanmean(own, axis=1)
+    p = float(np.nanmean(z))
+    var1 = max(p * (1 - p), 1e-12)
+    res = z - own
+    lag = res[1:] * res[:-1]
+    phi = float(np.clip(np.nansum(lag) / np.nansum(res[1:] ** 2), 0.0, 0.95)) if np.nansum(res[1:] ** 2) > 0 else 0.0
+    est = 0.0
+    if n >= 2:
+        dev = own - rate[:, None]
+        est = max(float(np.nanmean(dev**2)) * n / (n - 1) - var1 * ar_mean_var(w, phi), 0.0)
+    k0 = config.seed_spread_weight
+    spread2 = ((n - 1) * est + k0 * (config.zero_seed_spread**2 * var1)) / (n - 1 + k0)
+
+    def null_sd_of(m: int, seeds: int) -> float:
+        seeds = max(seeds, 1)
+        v = var1 * ar_mean_var(m, phi) + var1 * ar_mean_var(max(m, w), phi) / seeds + spread2 * (1 + 1 / seeds)
+        return float(np.sqrt(v))
+
+    loo = [0.0] * len(config.windows)
+    if n >= 2:
+        for j in range(n):
+            rj = z[:, j] - np.nanmean(np.delete(own, j, axis=1), axis=1)
+            for wi, m in enumerate(config.windows):
+                zz = trailing_mean(rj, m) / null_sd_of(m, n - 1)
+                if np.isfinite(zz).any():
+                    loo[wi] = max(loo[wi], float(np.nanmax(np.abs(zz))))
+    null_sd, thresholds = [], []
+    for wi, m in enumerate(config.windows):
+        sd = null_sd_of(m, n)
+        own_sd = float(np.sqrt(var1 * ar_mean_var(m, phi)))
+        top = 0.0
+        for j in range(n):
+            tm = trailing_mean(res[:, j], m)
+            if np.isfinite(tm).any():
+                top = max(top, float(np.nanmax(np.abs(tm))) / own_sd)
+        k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
+        null_sd.append(sd)
+        thresholds.append(max(k_m, config.calibration_margin * top * own_sd / sd, config.calibration_margin * loo[wi]))
+    return ZeroRate(rate, phi, tuple(null_sd), tuple(thresholds))
+
+
+def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, change_sd: tuple[float, ...],
+                   compress: bool = False) -> tuple[list[float], list[float]]:
     """With 2 or more seeds, each seed is a no-change candidate against the centre of the others: the
     largest |z| each level window and each change test reaches on it, over the whole run (z in the null
     sd of a centre of n-1 seeds). It carries what the noise model leaves out (how far seeds wander apart
@@ -308,7 +445,7 @@ def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, cha
     if n < 2:
         return level, change
     for j in range(n):
-        r = vals[:, j] - row_nanmedian(np.delete(smooth, j, axis=1))
+        r = points(vals[:, j] - row_nanmedian(np.delete(smooth, j, axis=1)), compress)
         lengths = {*config.windows, *(w for pair in config.change_windows for w in pair)}
         med = {m: _trailing_median(r, m) for m in lengths}
         for wi, m in enumerate(config.windows):
@@ -324,17 +461,19 @@ def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, cha
     return level, change
 
 
-def _variance_bar(vals: np.ndarray, sigma: float, phi: float, config) -> tuple[float, float]:
+def _variance_bar(vals: np.ndarray, sigma: float, phi: float, config, compress: bool = False) -> tuple[float, float]:
     """The references' robust scale of step-to-step changes, measured as the candidate's is, and the
     variance bar over it: `var_ratio`, raised to `calibration_margin` x the largest ratio any reference's
     own trailing scale reaches over its run (a longer or burstier reference raises it).
 
     Measured directly rather than as `sigma * sqrt(2 (1 - phi))`: under heavy tails (t(3) noise) the two
     differ by 10-20%, which put same-distribution candidates over the bar (8 of 14 false alarms on
-    bench.divergence_rl's held-out seeds 40-119 were variance ones)."""
+    bench.divergence_rl's held-out seeds 40-119 were variance ones). `compress` (the two-part comparison):
+    changes between consecutive points, the left-out zeros skipped, as `candidate_scale(carry=...)`."""
+    cols = [vals[:, j][np.isfinite(vals[:, j])] if compress else vals[:, j] for j in range(vals.shape[1])]
     per_seed = []
-    for j in range(vals.shape[1]):
-        d = np.abs(np.diff(vals[:, j]))
+    for x in cols:
+        d = np.abs(np.diff(x))
         d = d[np.isfinite(d)]
         if len(d):
             s = _MAD * float(np.median(d))
@@ -343,8 +482,8 @@ def _variance_bar(vals: np.ndarray, sigma: float, phi: float, config) -> tuple[f
     if not scale > 0:
         return sigma * np.sqrt(2 * (1 - phi)), config.var_ratio
     top = 0.0
-    for j in range(vals.shape[1]):
-        own = candidate_scale(vals[:, j], config.var_window)
+    for x in cols:
+        own = candidate_scale(x, config.var_window)
         if np.isfinite(own).any():
             top = max(top, float(np.nanmax(own)) / scale)
     return scale, max(config.var_ratio, config.calibration_margin * top)
@@ -389,12 +528,17 @@ def _variance_onset(abs_diff: np.ndarray, alert: int, ref_scale: float, ratio: f
 
 
 def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, noise: NoiseModel,
-         config, cand_abs_diff: np.ndarray | None = None) -> list[Stretch]:
+         config, cand_abs_diff: np.ndarray | None = None, zero_resid: np.ndarray | None = None,
+         zeros: ZeroRate | None = None) -> list[Stretch]:
     """Every departure of the residual `r` (candidate - centre, compared scale) in order of time.
 
     `cand_bad`: candidate non-finite where a reference is finite; `cand_resid_scale`: trailing robust
-    scale of the candidate's first differences (for variance departures)."""
+    scale of the candidate's first differences (for variance departures); `zero_resid` (two-part
+    comparison, with `zeros`): the candidate's 0/1 exact-zero indicator minus the references' rate."""
     n = len(r)
+    full_r = r
+    keep = np.flatnonzero(np.isfinite(r)) if noise.fill < 1 else None  # level windows count points
+    r = r[keep] if keep is not None else r
     medians: dict[int, np.ndarray] = {}
 
     def trailing(m: int) -> np.ndarray:  # the change test reuses the level windows' medians
@@ -419,11 +563,60 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             bar = noise.threshold[list(config.windows).index(end_m)]
             zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
             tests.append((q, zc, change_bar, end_m, q + p, sd))
+    out = _stretches(r, tests, level, noise.threshold, config.windows, config.window, "level")
+    if keep is not None:  # back to the compared steps
+        out = [Stretch(d.kind, int(keep[d.onset]), int(keep[d.alert]), None if d.end is None else int(keep[d.end]),
+                       d.sign, d.window) for d in out]
+    r = full_r
+    # Variance: the candidate's own step-to-step noise `var_bar` times the references'. A noisier
+    # candidate also moves its medians: level stretches inside a variance stretch are that, not a shift.
+    ref_scale = noise.diff_scale
+    if cand_abs_diff is None:
+        cand_abs_diff = np.zeros(n)
+    if ref_scale > 0:
+        noisy = cand_resid_scale > noise.var_bar * ref_scale
+        # var_persist steps in a row (1: the first such step): a longer run trades delay for fewer alarms
+        p = config.var_persist
+        cn = np.concatenate([[0], np.cumsum(noisy)])
+        hits = np.flatnonzero((cn[p:] - cn[:-p]) == p) + p - 1 if n >= p else np.empty(0, int)
+        if len(hits):
+            a = int(hits[0])
+            ratio = max(noise.var_bar, float(cand_resid_scale[a]) / ref_scale)
+            onset = _variance_onset(cand_abs_diff, a, ref_scale, ratio, 3 * config.var_window)
+            # over once it is back under the bar for a whole window (the trailing scale flickers at the edge)
+            quiet_run = np.concatenate([[0], np.cumsum(~noisy[a:])])
+            w = config.var_window
+            back = np.flatnonzero((quiet_run[w:] - quiet_run[:-w]) == w) if n - a >= w else np.empty(0, int)
+            end = None if not len(back) else a + int(back[0]) - 1
+            last = n if end is None else end + config.var_window
+            out = [d for d in out if not (onset - config.var_window <= d.onset <= last)]
+            out.append(Stretch("variance", onset, a, end, 0, config.var_window))
+    if zeros is not None and zero_resid is not None:  # how often it is exactly 0: trailing fractions
+        with quiet():
+            zl = {m: trailing_mean(zero_resid, m) / sd for m, sd in zip(config.windows, zeros.null_sd)}
+        tests = [(m, zl[m], th, m, m, sd) for m, th, sd in zip(config.windows, zeros.threshold, zeros.null_sd)]
+        out += _stretches(zero_resid, tests, zl, zeros.threshold, config.windows, config.window, "zero_rate")
+    # Non-finite: where the references are finite; one step suffices unless references go non-finite too.
+    need = config.nonfinite_persist if noise.ref_nonfinite else 1
+    c = np.concatenate([[0], np.cumsum(cand_bad)])
+    full = np.flatnonzero((c[need:] - c[:-need]) == need) if n >= need else np.empty(0, int)
+    if len(full):
+        s = int(full[0])
+        back = np.flatnonzero(~cand_bad[s:])
+        end = None if not len(back) else s + int(back[0]) - 1
+        out.append(Stretch("nonfinite", s, s + need - 1, end, 0, need))
+    return sorted(out, key=lambda d: (d.onset, d.alert))
+
+
+def _stretches(r: np.ndarray, tests: list, level: dict[int, np.ndarray], bars: tuple[float, ...],
+               windows: tuple[int, ...], lookback: int, kind: str) -> list[Stretch]:
+    """Departures of the residual `r` by `tests` ((window, z, bar, window whose level z says when it is
+    over, steps it looks back, its null sd) each): any test beyond its bar; each stretch ends once the
+    reporting window's level is back under half its bar for as many steps as the window is long. Where
+    each test is beyond its bar, and where each (window, sign) is back inside for a whole window, is
+    found once for the run, then looked up per stretch (a long noisy run has hundreds of stretches)."""
+    n = len(r)
     out: list[Stretch] = []
-    # Level departures: any test beyond its bar; each stretch ends once the reporting window's level
-    # is back under half its bar for as many steps as the window is long. Where each test is beyond its
-    # bar, and where each (window, sign) is back inside for a whole window, is found once for the run,
-    # then looked up per stretch (a long noisy run has hundreds of stretches).
     with quiet():
         beyond = [np.flatnonzero(np.abs(np.nan_to_num(zz, nan=0.0)) > th) for _, zz, th, _, _, _ in tests]
     back_inside: dict[tuple[int, int], np.ndarray] = {}
@@ -452,54 +645,46 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         a, ti = hit
         m, zz, _, end_m, _, sd = tests[ti]
         sign = int(np.sign(zz[a]))
-        wi = list(config.windows).index(end_m) if end_m in config.windows else 0
+        wi = list(windows).index(end_m) if end_m in windows else 0
         size = float(zz[a] * sd)  # the stretch's size in the compared scale
-        onset = max(i, _cusum_onset(r, a, size, lookback=4 * m + config.window))
-        bar = noise.threshold[wi]
-        back = first_back(end_m, sign, bar, a)
+        onset = max(i, _cusum_onset(r, a, size, lookback=4 * m + lookback))
+        back = first_back(end_m, sign, bars[wi], a)
         if back is not None:
             end = max(back - 1, a)
-            out.append(Stretch("level", onset, a, end, sign, m))
+            out.append(Stretch(kind, onset, a, end, sign, m))
             i, last_end = end + 1, end
         else:
-            out.append(Stretch("level", onset, a, None, sign, m))
+            out.append(Stretch(kind, onset, a, None, sign, m))
             break
-    # Variance: the candidate's own step-to-step noise `var_bar` times the references'. A noisier
-    # candidate also moves its medians: level stretches inside a variance stretch are that, not a shift.
-    ref_scale = noise.diff_scale
-    if cand_abs_diff is None:
-        cand_abs_diff = np.zeros(n)
-    if ref_scale > 0:
-        noisy = cand_resid_scale > noise.var_bar * ref_scale
-        # var_persist steps in a row (1: the first such step): a longer run trades delay for fewer alarms
-        p = config.var_persist
-        cn = np.concatenate([[0], np.cumsum(noisy)])
-        hits = np.flatnonzero((cn[p:] - cn[:-p]) == p) + p - 1 if n >= p else np.empty(0, int)
-        if len(hits):
-            a = int(hits[0])
-            ratio = max(noise.var_bar, float(cand_resid_scale[a]) / ref_scale)
-            onset = _variance_onset(cand_abs_diff, a, ref_scale, ratio, 3 * config.var_window)
-            # over once it is back under the bar for a whole window (the trailing scale flickers at the edge)
-            quiet_run = np.concatenate([[0], np.cumsum(~noisy[a:])])
-            w = config.var_window
-            back = np.flatnonzero((quiet_run[w:] - quiet_run[:-w]) == w) if n - a >= w else np.empty(0, int)
-            end = None if not len(back) else a + int(back[0]) - 1
-            last = n if end is None else end + config.var_window
-            out = [d for d in out if not (onset - config.var_window <= d.onset <= last)]
-            out.append(Stretch("variance", onset, a, end, 0, config.var_window))
-    # Non-finite: where the references are finite; one step suffices unless references go non-finite too.
-    need = config.nonfinite_persist if noise.ref_nonfinite else 1
-    c = np.concatenate([[0], np.cumsum(cand_bad)])
-    full = np.flatnonzero((c[need:] - c[:-need]) == need) if n >= need else np.empty(0, int)
-    if len(full):
-        s = int(full[0])
-        back = np.flatnonzero(~cand_bad[s:])
-        end = None if not len(back) else s + int(back[0]) - 1
-        out.append(Stretch("nonfinite", s, s + need - 1, end, 0, need))
-    return sorted(out, key=lambda d: (d.onset, d.alert))
+    return out
 
 
-def candidate_scale(cand: np.ndarray, window: int) -> np.ndarray:
-    """Trailing robust sd of the candidate's first differences over `window` points (NaN until 2/3 full)."""
+def candidate_scale(cand: np.ndarray, window: int, carry: np.ndarray | None = None) -> np.ndarray:
+    """Trailing robust sd of the candidate's first differences over `window` points (NaN until 2/3 full).
+
+    `carry` (the two-part comparison: where the candidate is exactly 0, left out): the differences are
+    between consecutive finite points, and at `carry` steps the scale is the last one before them."""
+    if carry is not None:
+        return _carried(cand, carry, lambda x: candidate_scale(x, window))
     d = np.abs(np.diff(cand, prepend=np.nan))
     return _MAD * rolling(d, window, "median", center=False, min_periods=max(3, 2 * window // 3))
+
+
+def abs_diffs(cand: np.ndarray, carry: np.ndarray | None = None) -> np.ndarray:
+    """|first differences| (what the variance onset weighs); with `carry`, between consecutive finite points."""
+    if carry is not None:
+        return _carried(cand, carry, abs_diffs, fill=False)
+    return np.abs(np.diff(cand, prepend=np.nan))
+
+
+def _carried(cand: np.ndarray, carry: np.ndarray, f, fill: bool = True) -> np.ndarray:
+    """`f` of the candidate's finite points alone, put back at their steps; at `carry` steps the value of
+    the last finite step before (NaN with `fill=False`)."""
+    ok = np.isfinite(cand)
+    out = np.full(len(cand), np.nan)
+    out[ok] = f(cand[ok])
+    if fill:
+        last = np.maximum.accumulate(np.where(ok, np.arange(len(cand)), -1))
+        at = carry & ~ok & (last >= 0)
+        out[at] = out[last[at]]
+    return out

@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 
 from rldiag.app.analysis.detector import (
+    abs_diffs,
     candidate_scale,
     finite_values,
     min_points,
@@ -45,6 +46,7 @@ from rldiag.app.analysis.detector import (
     rolling,
     scan,
     transform,
+    zero_indicator,
 )
 from rldiag.app.data.trace import Trace
 
@@ -75,6 +77,7 @@ class DivergenceConfig:
     var_window: int = 31  # trailing steps over which the candidate's noise is measured
     var_persist: int = 9  # steps in a row it must be so: clustered spikes lift the scale for a few steps (README)
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
+    zero_seed_spread: float = 0.1  # two-part comparison: prior seed-to-seed spread of the zero rate, in sd of one step's 0/1
     min_delta: float = 0.0  # a departure must exceed this, in metric units
     rel_delta: float = 0.0  # ... and this fraction of the reference's level
 
@@ -85,9 +88,10 @@ class DivergenceConfig:
             raise ValueError(f"windows={self.windows}: use ascending window lengths of 3 steps or more, e.g. (5, 9, 17)")
         if self.k <= 0 or self.k_change <= 0 or self.k_change_loo <= 0 or self.detrend_window < 3 or self.var_ratio <= 1 or self.var_window < 5:
             raise ValueError(f"invalid {self}: need k, k_change and k_change_loo > 0, detrend_window >= 3, var_ratio > 1, var_window >= 5")
-        if self.nonfinite_persist < 1 or self.seed_spread < 0 or self.calibration_margin < 1 or self.var_persist < 1:
+        if (self.nonfinite_persist < 1 or self.seed_spread < 0 or self.calibration_margin < 1 or self.var_persist < 1
+                or self.zero_seed_spread < 0):
             raise ValueError(f"invalid {self}: need nonfinite_persist >= 1, seed_spread >= 0, calibration_margin >= 1, "
-                             "var_persist >= 1")
+                             "var_persist >= 1, zero_seed_spread >= 0")
 
     @property
     def min_steps(self) -> int:
@@ -147,12 +151,12 @@ DIVERGED, WITHIN, NOT_ENOUGH_STEPS = "diverged", "within", "not_enough_steps"  #
 class Departure:
     """One stretch outside the references' noise, in metric units."""
 
-    kind: str  # "level", "variance" or "nonfinite"
+    kind: str  # "level", "variance", "zero_rate" (how often it is exactly 0: two-part comparison) or "nonfinite"
     onset_step: int  # first step, placed after the fact
     alert_step: int  # the step at which a causal scan (a watcher polling every step) first reports it
     end_step: int | None  # last step; None while it lasts to the candidate's end
-    candidate: float  # the candidate's median over it (NaN for nonfinite)
-    reference: float  # the reference centre's median over it
+    candidate: float  # the candidate's median over it (NaN for nonfinite; zero_rate: its fraction of exact zeros)
+    reference: float  # the reference centre's median over it (zero_rate: the references' fraction)
     delta: float  # median of (candidate - centre) over it, metric units
     delta_sigma: float  # the residual in sd of the references' point noise (log sd for log-compared metrics)
 
@@ -161,7 +165,7 @@ class Departure:
 class Divergence:
     key: str
     onset_step: int | None  # first step of the first departure; None: the candidate stays inside
-    kind: str | None  # "level", "variance" or "nonfinite"
+    kind: str | None  # "level", "variance", "zero_rate" or "nonfinite"
     end_step: int | None  # last step of the first departure; None while it lasts to the candidate's end
     delta: float  # median of (candidate - centre) over the first departure, metric units (NaN if none)
     delta_sigma: float  # the same in units of the references' point noise
@@ -256,10 +260,17 @@ def size_text(candidate: float, reference: float, delta_sigma: float) -> str:
     return f"{candidate:.4g} vs {reference:.4g}" + (f" ({', '.join(extra)})" if extra else "")
 
 
+def zero_rate_text(candidate: float, reference: float) -> str:
+    """A zero_rate departure's size: "exactly 0 at 62% of steps vs 30%"."""
+    return f"exactly 0 at {candidate:.0%} of steps vs {reference:.0%}"
+
+
 def departure_text(key: str, d: Departure) -> str:
     """"ratio mean 1.263 vs 1.000 (+26%, +8.0 sd) from step 0" — metric units first, sd second."""
     if d.kind == "nonfinite":
         text = f"{key} non-finite from step {d.onset_step}"
+    elif d.kind == "zero_rate":
+        text = f"{key} {zero_rate_text(d.candidate, d.reference)} from step {d.onset_step}"
     else:
         text = (f"{key} {size_text(d.candidate, d.reference, d.delta_sigma)} from step {d.onset_step}"
                 if d.kind == "level" else
@@ -275,11 +286,10 @@ def _aligned(model, candidate: Trace):
     hit = pos < len(model.steps)
     hit[hit] = model.steps[pos[hit]] == candidate.steps[hit]
     pos = pos[hit]
-    ref_ok = np.isfinite(model.values[pos]).any(axis=1) if model.values.shape[1] else np.zeros(len(pos), bool)
-    keep = ref_ok  # only steps where a reference is finite are compared (a NaN there counts, elsewhere not)
+    keep = model.ref_ok[pos]  # only steps where a reference is finite are compared (a NaN there counts, elsewhere not)
     steps = candidate.steps[hit][keep]
     raw = np.asarray(candidate.values[hit][keep], float)
-    return steps, raw, model.center[pos[keep]]
+    return steps, raw, pos[keep]
 
 
 def _floor(model, center_t: np.ndarray, config: DivergenceConfig) -> np.ndarray:
@@ -298,21 +308,22 @@ def _inverse(model, x: np.ndarray) -> np.ndarray:
 
 def _residual(references: Sequence[Trace], candidate: Trace, config: DivergenceConfig):
     model = reference_model(tuple(references), config)
-    steps, raw, center_t = _aligned(model, candidate)
+    steps, raw, pos = _aligned(model, candidate)
+    center_t = model.center[pos]
     cand = finite_values(raw)
-    ct = transform(cand, model.noise.log, model.log_floor)
+    ct = transform(cand, model.noise.log, model.log_floor, zeros_out=model.zeros is not None)
     with quiet():
         r = ct - center_t
         fl = _floor(model, center_t, config)
         r = np.sign(r) * np.maximum(np.abs(r) - fl, 0.0)
-    return model, steps, raw, cand, ct, center_t, r
+    return model, steps, raw, pos, cand, ct, center_t, r
 
 
 def compute_band(references: Sequence[Trace], candidate: Trace,
                  config: DivergenceConfig = DivergenceConfig()) -> tuple[Band, np.ndarray, np.ndarray]:
     """The band on the candidate's compared steps; also the candidate's raw values and the
     reference-finite mask (all True: only such steps are compared)."""
-    model, steps, raw, _cand, ct, center_t, _r = _residual(references, candidate, config)
+    model, steps, raw, _pos, _cand, ct, center_t, _r = _residual(references, candidate, config)
     half = model.noise.threshold[0] * model.noise.null_sd[0]
     with quiet():
         smooth = rolling(ct, config.windows[0], "median", center=False, min_periods=1)
@@ -327,16 +338,22 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     refs = [references] if isinstance(references, Trace) else list(references)
     if not refs:
         raise ValueError("detect_divergence needs at least one reference trace")
-    model, steps, _raw, cand, ct, center_t, r = _residual(refs, candidate, config)
+    model, steps, _raw, pos, cand, ct, center_t, r = _residual(refs, candidate, config)
     cand_bad = ~np.isfinite(cand)
     first_bad = int(steps[np.flatnonzero(cand_bad)[0]]) if cand_bad.any() else None
-    compared = int(np.isfinite(r).sum())
+    # two-part comparison: the candidate's zeros are left out of the level (r is NaN there), compared by their rate
+    zeros = model.zeros
+    is_zero = (cand == 0) if zeros is not None else None
+    zero_resid = zero_indicator(cand) - zeros.rate[pos] if zeros is not None else None
+    compared = int((np.isfinite(r) | (is_zero if is_zero is not None else False)).sum())
     with quiet():
-        cand_scale = candidate_scale(ct, config.var_window)
-        stretches = scan(r, cand_bad, cand_scale, model.noise, config, np.abs(np.diff(ct, prepend=np.nan)))
+        cand_scale = candidate_scale(ct, config.var_window, carry=is_zero)
+        stretches = scan(r, cand_bad, cand_scale, model.noise, config, abs_diffs(ct, carry=is_zero),
+                         zero_resid, zeros)
     deps = []
     center_m = _inverse(model, center_t)
-    gap = cand - center_m  # once: a noisy 100k-step run has hundreds of stretches
+    level_cand = cand if zeros is None else np.where(is_zero, np.nan, cand)  # two-part: the level is the positive values'
+    gap = level_cand - center_m  # once: a noisy 100k-step run has hundreds of stretches
     sigma = model.noise.sigma
     for s in stretches:
         seg = slice(s.onset, (s.end + 1) if s.end is not None else len(steps))
@@ -344,8 +361,12 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
             ref_level = float(np.nanmedian(center_m[seg]))
             if s.kind == "nonfinite":
                 c_level, delta, dsig = float("nan"), float("nan"), float("nan")
+            elif s.kind == "zero_rate":
+                c_level = float(np.nanmean(is_zero[seg][np.isfinite(cand[seg])]))
+                ref_level = float(np.nanmean(zeros.rate[pos][seg]))
+                delta, dsig = c_level - ref_level, float("nan")
             else:
-                c_level = float(np.nanmedian(cand[seg]))
+                c_level = float(np.nanmedian(level_cand[seg]))
                 delta = float(np.nanmedian(gap[seg]))
                 if s.kind == "variance":
                     scale = cand_scale[seg]

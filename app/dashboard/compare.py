@@ -19,6 +19,7 @@ from rldiag.app.analysis.divergence import (
     detectable_text,
     reference_note,
     size_text,
+    zero_rate_text,
 )
 from rldiag.app.analysis.step_events import with_overflow_hints
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
@@ -95,6 +96,8 @@ def summary_line(s: CandidateSummary, label: str) -> str:
         how = str(first.kind)
         if first.kind == "nonfinite" and first.first_nonfinite_step is not None:
             how = f"non-finite from step {first.first_nonfinite_step}"
+        elif first.kind == "zero_rate":
+            how = zero_rate_text(first.candidate_level, first.reference_level)
         elif pd.notna(first.delta):
             how += ", " + size_text(first.candidate_level, first.reference_level, first.delta_sigma)
         more = f"; {len(s.departures)} metrics in all" if len(s.departures) > 1 else ""

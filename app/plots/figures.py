@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
-from rldiag.app.analysis.divergence import Divergence
+from rldiag.app.analysis.divergence import Divergence, zero_rate_text
 from rldiag.app.data.align import align_by_step
 from rldiag.app.data.trace import Trace
 from rldiag.app.plots.decimate import DEFAULT_POINTS, decimate
@@ -249,8 +249,9 @@ def metric_figure(
                 type="scatter", x=[onset], y=[y if np.isfinite(y) else None], mode="markers", name=name,
                 legendgroup=run, showlegend=True,
                 marker=dict(symbol="diamond", size=11, color=color, line=dict(width=1, color="#000")),
-                hovertemplate=(f"{name}<br>from step %{{x}} ({div.kind}, "
-                               f"delta {div.delta:.3g} = {div.delta_sigma:.1f} sigma)<extra></extra>"),
+                hovertemplate=(f"{name}<br>from step %{{x}} ({div.kind}, " + (
+                    zero_rate_text(div.candidate_level, div.reference_level) if div.kind == "zero_rate"
+                    else f"delta {div.delta:.3g} = {div.delta_sigma:.1f} sigma") + ")<extra></extra>"),
             ))
     title = f"{key} (minus reference)" if options.delta else key
     if dropped_total:

@@ -30,6 +30,7 @@ from rldiag.app.analysis.divergence import (
     reference_note,
     size_text,
     summarize,
+    zero_rate_text,
 )
 from rldiag.app.analysis.nan_events import nan_events, unchecked_steps
 from rldiag.app.analysis.step_events import with_overflow_hints
@@ -220,6 +221,8 @@ def departure_text(row: dict) -> str:
         return f"{row['key']} stays within the reference band"
     if row["kind"] == "nonfinite":
         size = "non-finite where the references are finite"
+    elif row["kind"] == "zero_rate":
+        size = zero_rate_text(row["candidate_level"], row["reference_level"])
     else:
         size = f"delta {fmt_stat(row['delta'], 3)}: " + size_text(row.get("candidate_level", float("nan")),
                                                                    row.get("reference_level", float("nan")),

@@ -213,13 +213,56 @@ def test_a_kl_like_metric_that_is_0_at_its_first_step_is_compared_as_logs():
     assert all(found)
 
 
-def test_a_metric_often_exactly_0_stays_on_its_linear_scale():
-    # a clip rate that is 0 at 30% of its steps: a log would put a third of its points at the floor
+def _often_zero(rng: np.random.Generator, n: int = 400, rate: float = 0.3) -> np.ndarray:
+    """A clip-rate-like metric: log-normal AR(0.7) noise around 1e-3, exactly 0 at `rate` of its steps."""
+    x = _kl_like(rng, n) * 10
+    x[rng.random(n) < rate] = 0.0
+    return x
+
+
+def test_a_metric_often_exactly_0_is_compared_in_two_parts():
+    # 30% exact zeros: on its linear scale a drop of the positive values, or a collapse to 0, hardly moved
+    # the trailing medians (the detector before: 3 of these 30 same-distribution candidates flagged, none
+    # of the 10x drops, the rises to 80% zeros or the collapses found); now its positive values are
+    # compared as logs (zeros left out) and how often it is 0 on its own
     from rldiag.app.analysis.detector import reference_model
 
-    rng = np.random.default_rng(5)
-    refs = [trace(rng.lognormal(-5, 1.0, 300) * (rng.random(300) > 0.3), f"r{j}") for j in range(2)]
-    assert not reference_model(tuple(refs), DivergenceConfig()).noise.log
+    flagged, drop, more_zeros, collapse = [], [], [], []
+    for seed in range(30):
+        rng = np.random.default_rng([seed, 4])
+        refs = [trace(_often_zero(rng), f"r{j}") for j in range(2)]
+        model = reference_model(tuple(refs), DivergenceConfig())
+        assert model.zeros is not None and model.noise.log and 0.6 < model.noise.fill < 0.8
+        c = _often_zero(rng)
+        if detect_divergence(refs, trace(c)).diverged:
+            flagged.append(seed)
+        down = c.copy()
+        down[200:] /= 10  # 3.3 sd of the log noise
+        d = detect_divergence(refs, trace(down))
+        drop.append(d.diverged and d.alert_step >= 200 and d.departures[0].kind == "level" and d.delta < 0)
+        up = _often_zero(rng, rate=0.8)  # 80% zeros from step 200
+        both = np.r_[c[:200], up[200:]]
+        d = detect_divergence(refs, trace(both))
+        zr = [x for x in d.departures if x.kind == "zero_rate"]
+        more_zeros.append(bool(zr) and zr[0].alert_step >= 200 and zr[0].candidate > 0.6 and zr[0].reference < 0.4)
+        gone = c.copy()
+        gone[200:] = 0.0
+        d = detect_divergence(refs, trace(gone))
+        collapse.append(d.diverged and d.alert_step >= 200)
+    assert flagged == []
+    assert all(drop) and all(more_zeros) and all(collapse), (drop, more_zeros, collapse)
+    text = departure_text("clip", zr[0])
+    assert text.startswith("clip exactly 0 at ") and "% of steps vs " in text
+
+
+def test_a_metric_exactly_0_most_of_the_time_is_compared_as_itself():
+    # fewer than MIN_TWO_PART_POSITIVE positive points: nothing to model the positive part on
+    from rldiag.app.analysis.detector import reference_model
+
+    x = np.zeros(300)
+    x[::15] = 1.0
+    model = reference_model((trace(x, "r0"),), DivergenceConfig())
+    assert model.zeros is None and not model.noise.log
 
 
 def test_an_entropy_like_curve_with_additive_noise_is_compared_as_itself():
