@@ -23,8 +23,12 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
 - A non-negative metric exactly 0 at more than `MAX_ZEROS` of the references' points (a clip rate that
   is often 0) is compared in two parts: its positive values, the zeros left out (as logs where the
   above says so), and how often it is exactly 0 (`ZeroRate`: trailing zero fractions against the
-  references' local rate). On its linear scale a third of the points at 0 hid a drop toward 0 from the
-  trailing medians, and logs with the zeros far below put a third of the points at the floor.
+  references' local rate, and runs of zeros longer than the references': RUN_FACTOR). On its linear
+  scale a third of the points at 0 hid a drop toward 0 from the trailing medians, and logs with the
+  zeros far below put a third of the points at the floor.
+- Values on a lattice (counts, k of N tokens, rewards of k/8) are jittered by up to half a quantum, the
+  same at each step for every run (`dequantise`): medians of values that are mostly one lattice point
+  jump a whole quantum, and flagged a fifth to a half of same-distribution count-like candidates.
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact by a CUSUM split before the alert.
@@ -109,6 +113,9 @@ class ZeroRate(NamedTuple):
     phi: float  # lag-1 autocorrelation of the 0/1 indicator around it
     null_sd: tuple[float, ...]  # per trailing window: sd of (candidate's zero fraction - rate) under no change
     threshold: tuple[float, ...]  # per trailing window, in null sd (>= k; self-calibrated as the level bars)
+    run_bar: int = 0  # steps in a row exactly 0 that are a departure wherever the rate is (RUN_FACTOR x the references' longest)
+    spread: float = 0.0  # sd of the seed-to-seed difference of the rate
+    points: int = 0  # the references' most points (how many chances a run had there)
 
 
 def ar_mean_var(m: int, phi: float) -> float:
@@ -216,6 +223,41 @@ def _scale_slope(refs: np.ndarray, wide: np.ndarray, detrend: int) -> float | No
     return float(np.polyfit(x[ok], y[ok], 1)[0]) if ok.sum() >= 8 else None
 
 
+# A metric on a lattice (a count, a rate of k in N tokens, a reward of k/8) that is mostly one value: a
+# window's median is a lattice value that jumps a whole quantum when a few more points sit on the next one,
+# and the noise's MAD is 0. Such values get a jitter of up to half a quantum, the same at each step for
+# every run (a function of the step, so a prefix of a run is jittered as the whole run is), which makes
+# the medians continuous (the jittering of counts of Machado and Santos Silva, 2005). Reported sizes are
+# of the values logged.
+MAX_LATTICE_VALUES = 64  # more distinct values than this: not treated as quantised
+
+
+def quantum(values: np.ndarray) -> float:
+    """The lattice step of the references' finite values, 0 where there is none: at most
+    MAX_LATTICE_VALUES distinct values, each repeated 4 times or more on average, all whole multiples
+    of the smallest gap from the lowest."""
+    v = values[np.isfinite(values)]
+    u = np.unique(v)
+    if len(u) < 2 or len(u) > MAX_LATTICE_VALUES or len(v) < 4 * len(u):
+        return 0.0
+    q = float(np.min(np.diff(u)))
+    k = (u - u[0]) / q
+    return q if q > 0 and bool(np.all(np.abs(k - np.round(k)) < 1e-6 * max(1.0, float(k[-1])))) else 0.0
+
+
+def dequantise(values: np.ndarray, steps: np.ndarray, q: float, keep_zeros: bool) -> np.ndarray:
+    """`values` (per step, or steps x seeds) plus a jitter in [-q/2, q/2) that is a function of the
+    step (a Weyl sequence: the jitters of neighbouring steps are spread evenly); NaN stays NaN.
+    `keep_zeros` (logs, or the two-part comparison): exact zeros stay 0 and positive values positive."""
+    if not q > 0:
+        return values
+    u = np.mod(np.asarray(steps, float) * 0.6180339887498949 + 0.5, 1.0) - 0.5
+    out = values + q * (u if np.ndim(values) == 1 else u[:, None])
+    if keep_zeros:
+        out = np.where((values == 0) | ((values > 0) & (out <= 0)), values, out)
+    return out
+
+
 def transform(values: np.ndarray, log: bool, floor: float, zeros_out: bool = False) -> np.ndarray:
     """The compared scale; a value <= 0 where the references are positive becomes far below them, a
     missing one (NaN) stays missing (not compared; NaN > 0 is False, so it would become the floor).
@@ -239,6 +281,7 @@ class RefModel:
     noise: NoiseModel
     ref_ok: np.ndarray  # per step: some reference logged a finite value there (the steps compared)
     zeros: ZeroRate | None = None  # the two-part comparison's zero rate; None: one part
+    quantum: float = 0.0  # lattice step of the compared values, which are jittered by up to half of it (`dequantise`); 0: none
 
 
 # A trailing window reports once half of it is filled (at a run's start, and for the shortest window in
@@ -272,10 +315,13 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         split, fill = two_part(raw)
         fill = fill if split else 1.0
         level_raw = np.where(raw == 0, np.nan, raw) if split else raw
-        log, raw_wide = _use_log(level_raw, config.detrend_window)
+        q = quantum(level_raw)
+        log, raw_wide = _use_log(dequantise(level_raw, steps, q, keep_zeros=True), config.detrend_window)
+        if q > 0 and not log and not split:  # on the linear scale zeros are jittered too: the wide smooth again
+            raw_wide = None
         pos_min = np.nanmin(np.where(raw > 0, raw, np.nan)) if log else 1.0
         log_floor = float(pos_min) / 10 if log else 1.0
-        vals = transform(raw, log, log_floor, zeros_out=split)
+        vals = transform(dequantise(level_raw, steps, q, keep_zeros=log or split), log, log_floor, zeros_out=split)
         # a centre point needs half the window's points (half of those it holds, where zeros are left out)
         need = max(1, int(np.ceil((config.window // 2 + 1) * fill)))
         smooth = rolling(vals, config.window, "median", center=True, min_periods=need)
@@ -356,7 +402,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
     noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
                        diff_scale, var_bar, change_bar, fill)
     ref_ok = np.isfinite(raw).any(axis=1) if raw.shape[1] else np.zeros(len(steps), bool)
-    return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros)
+    return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros, q)
 
 
 def _interpolate(x: np.ndarray) -> np.ndarray:
@@ -428,7 +474,49 @@ def _zero_rate(raw: np.ndarray, config) -> ZeroRate:
         k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
         null_sd.append(sd)
         thresholds.append(max(k_m, config.calibration_margin * top * own_sd / sd, config.calibration_margin * loo[wi]))
-    return ZeroRate(rate, phi, tuple(null_sd), tuple(thresholds))
+    longest = max(longest_zero_run(z[:, j]) for j in range(n))
+    return ZeroRate(rate, phi, tuple(null_sd), tuple(thresholds), int(np.ceil(RUN_FACTOR * max(longest, 1))),
+                    float(np.sqrt(spread2)), max(int(np.isfinite(z).sum(axis=0).max()), 2))
+
+
+# A run of steps exactly 0 is a departure once it is RUN_FACTOR times the longest the references show, and
+# as long as would happen by chance once in 1/RUN_ALPHA runs as long as theirs, with independent steps at
+# the references' local rate where it starts (2 sd of the seeds' spread of the rate above it). A metric
+# that stops being anything but 0 (a clip rate that dies: no update moves the policy) is found long before
+# a trailing fraction clears the seeds' spread of the rate. Only runs of zeros: runs of non-zero values are
+# long wherever the rate falls (a reward that stops being 0 as a run learns), and a seed that learns
+# faster made them longer than its references' (8 of 40 flagged on a scratch probe).
+RUN_FACTOR, RUN_ALPHA = 2.0, 1e-3
+
+
+def longest_zero_run(z: np.ndarray) -> int:
+    """The longest run of 1 in a 0/1 series (missing steps are skipped)."""
+    x = z[np.isfinite(z)]
+    edges = np.flatnonzero(np.diff(np.r_[False, x == 1, False].astype(np.int8)))
+    return int(np.max(edges[1::2] - edges[::2])) if len(edges) else 0
+
+
+def chance_run(rate: float, points: int) -> float:
+    """Length of a run of zeros that independent steps at `rate` make once in 1/RUN_ALPHA runs of `points`."""
+    if not 0 < rate < 1:
+        return np.inf if rate >= 1 else 1.0
+    return float(np.log(RUN_ALPHA / (points * (1 - rate))) / np.log(rate))
+
+
+def _run_stretches(zero_ind: np.ndarray, zero_rate: np.ndarray, zeros: ZeroRate) -> list[Stretch]:
+    """zero_rate departures of runs of exactly 0 too long for the references (see RUN_FACTOR): alerted
+    where the run reaches its bar, from the run's first step to its last."""
+    out = []
+    x = np.nan_to_num(zero_ind, nan=-1.0)  # a missing step ends a run (it is not compared)
+    edges = np.flatnonzero(np.diff(np.r_[False, x == 1, False].astype(np.int8)))
+    for a, b in zip(edges[::2], edges[1::2]):  # the run is [a, b)
+        if b - a < zeros.run_bar:
+            continue
+        local = min(float(zero_rate[a]) + 2 * zeros.spread, 0.999) if np.isfinite(zero_rate[a]) else 0.999
+        bar = int(np.ceil(max(zeros.run_bar, chance_run(local, zeros.points), 2)))
+        if b - a >= bar:
+            out.append(Stretch("zero_rate", int(a), int(a + bar - 1), None if b == len(x) else int(b - 1), 1, bar))
+    return out
 
 
 def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, change_sd: tuple[float, ...],
@@ -528,13 +616,14 @@ def _variance_onset(abs_diff: np.ndarray, alert: int, ref_scale: float, ratio: f
 
 
 def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, noise: NoiseModel,
-         config, cand_abs_diff: np.ndarray | None = None, zero_resid: np.ndarray | None = None,
-         zeros: ZeroRate | None = None) -> list[Stretch]:
+         config, cand_abs_diff: np.ndarray | None = None, zero_ind: np.ndarray | None = None,
+         zeros: ZeroRate | None = None, zero_rate: np.ndarray | None = None) -> list[Stretch]:
     """Every departure of the residual `r` (candidate - centre, compared scale) in order of time.
 
     `cand_bad`: candidate non-finite where a reference is finite; `cand_resid_scale`: trailing robust
-    scale of the candidate's first differences (for variance departures); `zero_resid` (two-part
-    comparison, with `zeros`): the candidate's 0/1 exact-zero indicator minus the references' rate."""
+    scale of the candidate's first differences (for variance departures); `zero_ind` (two-part
+    comparison, with `zeros`): the candidate's 0/1 exact-zero indicator, `zero_rate` the references'
+    rate at its steps."""
     n = len(r)
     full_r = r
     keep = np.flatnonzero(np.isfinite(r)) if noise.fill < 1 else None  # level windows count points
@@ -591,11 +680,19 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             last = n if end is None else end + config.var_window
             out = [d for d in out if not (onset - config.var_window <= d.onset <= last)]
             out.append(Stretch("variance", onset, a, end, 0, config.var_window))
-    if zeros is not None and zero_resid is not None:  # how often it is exactly 0: trailing fractions
+    if zeros is not None and zero_ind is not None:  # how often it is exactly 0: trailing fractions
+        zero_resid = zero_ind - zero_rate
         with quiet():
             zl = {m: trailing_mean(zero_resid, m) / sd for m, sd in zip(config.windows, zeros.null_sd)}
         tests = [(m, zl[m], th, m, m, sd) for m, th, sd in zip(config.windows, zeros.threshold, zeros.null_sd)]
-        out += _stretches(zero_resid, tests, zl, zeros.threshold, config.windows, config.window, "zero_rate")
+        found = _stretches(zero_resid, tests, zl, zeros.threshold, config.windows, config.window, "zero_rate")
+        # runs too long for the references, then the trailing fractions; one departure where they overlap
+        runs = _run_stretches(zero_ind, zero_rate, zeros)
+        for d in sorted(runs + found, key=lambda d: d.alert):
+            last = n - 1 if d.end is None else d.end
+            if not any(k.onset <= last and d.onset <= (n - 1 if k.end is None else k.end)
+                       for k in out if k.kind == "zero_rate"):
+                out.append(d)
     # Non-finite: where the references are finite; one step suffices unless references go non-finite too.
     need = config.nonfinite_persist if noise.ref_nonfinite else 1
     c = np.concatenate([[0], np.cumsum(cand_bad)])

@@ -10,8 +10,10 @@ The test (`rldiag.app.analysis.detector`, whose docstring says why each piece is
   seed-to-seed spread (estimated from the seeds; a prior of `seed_spread` noise sd where fewer seeds
   tell); a departure is any window beyond `k` such sd (or beyond what the references' own bursts
   reach on it, if more); it ends once that window is back under half its bar for a window's length;
-- also: the candidate's step-to-step noise `var_ratio` (or more) times the references' (`kind="variance"`), and
-  the candidate non-finite where the references are finite (`kind="nonfinite"`).
+- also: the candidate's step-to-step noise `var_ratio` (or more) times the references' (`kind="variance"`),
+  the candidate non-finite where the references are finite (`kind="nonfinite"`), and, for a metric the
+  references log as exactly 0 at more than 10% of steps, how often it is 0 (`kind="zero_rate"`: its
+  positive values are compared as above, the zeros left out).
 The scan is causal: `alert_step` is the step a watcher polling every step reports the departure at;
 `onset_step` is placed after the fact (a CUSUM split). Considered: `ruptures` (offline change-point
 segmentation): it finds where one series changes, not where one leaves another's noise, and needs a
@@ -39,6 +41,7 @@ import pandas as pd
 from rldiag.app.analysis.detector import (
     abs_diffs,
     candidate_scale,
+    dequantise,
     finite_values,
     min_points,
     quiet,
@@ -311,7 +314,9 @@ def _residual(references: Sequence[Trace], candidate: Trace, config: DivergenceC
     steps, raw, pos = _aligned(model, candidate)
     center_t = model.center[pos]
     cand = finite_values(raw)
-    ct = transform(cand, model.noise.log, model.log_floor, zeros_out=model.zeros is not None)
+    split = model.zeros is not None
+    ct = transform(dequantise(cand, steps, model.quantum, keep_zeros=model.noise.log or split), model.noise.log,
+                   model.log_floor, zeros_out=split)
     with quiet():
         r = ct - center_t
         fl = _floor(model, center_t, config)
@@ -344,12 +349,12 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     # two-part comparison: the candidate's zeros are left out of the level (r is NaN there), compared by their rate
     zeros = model.zeros
     is_zero = (cand == 0) if zeros is not None else None
-    zero_resid = zero_indicator(cand) - zeros.rate[pos] if zeros is not None else None
+    zero_ind = zero_indicator(cand) if zeros is not None else None
     compared = int((np.isfinite(r) | (is_zero if is_zero is not None else False)).sum())
     with quiet():
         cand_scale = candidate_scale(ct, config.var_window, carry=is_zero)
         stretches = scan(r, cand_bad, cand_scale, model.noise, config, abs_diffs(ct, carry=is_zero),
-                         zero_resid, zeros)
+                         zero_ind, zeros, zeros.rate[pos] if zeros is not None else None)
     deps = []
     center_m = _inverse(model, center_t)
     level_cand = cand if zeros is None else np.where(is_zero, np.nan, cand)  # two-part: the level is the positive values'
