@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"first held-out seed (default {HELD_OUT_FIRST})")
     ap.add_argument("--long-steps", type=int, default=0, metavar="T",
                     help="also score --long-n no-change candidates (seeds 0..) whose runs are T steps long "
-                         "(a long run is tested at more positions); results go to divergence_quality_long.json")
+                         "(a long run is tested at more positions); results go to divergence_quality_long.json (with --zeros or --detector: _options.json)")
     ap.add_argument("--long-n", type=int, default=24, metavar="N", help="no-change candidates at --long-steps")
     ap.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
                     help="a DivergenceConfig option (repeatable), e.g. var_persist=12; results of a run "
@@ -277,10 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(summary_row(
             f"divergence, {args.long_n} no-change candidates of {args.long_steps} steps: flagged",
             f"{long_run['flagged']} of {args.long_n}", "-", "-", "0", long_run["flagged"] == 0))
-    default = not args.detector and args.held_out_from == HELD_OUT_FIRST and long_run is None
-    name = ("divergence_quality_zeros_often" if zeros == "often" else "divergence_quality_zeros" if zeros else "divergence_quality" if default
-            else "divergence_quality_long" if long_run is not None and not args.detector
-            else "divergence_quality_options")  # README's figures: the default run, the long one, the zeros one
+    # README's figures: the default run, the long one, the two zeros ones; any other run: _options
+    plain = not args.detector and args.held_out_from == HELD_OUT_FIRST and not args.quick
+    if long_run is not None:
+        name = "divergence_quality_long" if plain and not zeros else "divergence_quality_options"
+    elif zeros:
+        name = ("divergence_quality_zeros_often" if zeros == "often" else "divergence_quality_zeros") if plain \
+            else "divergence_quality_options"
+    else:
+        name = "divergence_quality" if plain else "divergence_quality_options"
     write_result(name, {"env": env_info(), "per_kind": per_kind, "held_out_per_kind": held, "quick": args.quick,
                         "seconds": took, "config": repr(config), "scenarios": res, "held_out": held_res,
                         "long_run": long_run, "summary": summary})
