@@ -253,6 +253,12 @@ def test_a_metric_often_exactly_0_is_compared_in_two_parts():
     assert all(drop) and all(more_zeros) and all(collapse), (drop, more_zeros, collapse)
     text = departure_text("clip", zr[0])
     assert text.startswith("clip exactly 0 at ") and "% of steps vs " in text
+    # the report's line for the last collapse: the rate in words, not a delta in sd
+    from rldiag.app.analysis.divergence import DIVERGENCE_COLUMNS
+    from rldiag.app.report.content import departure_text as report_line
+
+    line = report_line({f: getattr(d, f) for f in DIVERGENCE_COLUMNS[1:]})
+    assert "(zero_rate, exactly 0 at 100% of steps vs " in line and "sd" not in line
 
 
 def test_a_metric_exactly_0_most_of_the_time_is_compared_as_itself():
