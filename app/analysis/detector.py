@@ -20,8 +20,8 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
   symmetric, when the references' values are positive (but for at most `MAX_ZEROS` exact zeros) and
   their noise is multiplicative: its scale grows with the level, where the level moves 2x or more;
   else the log is the less skewed scale (`_use_log`).
-- A non-negative metric exactly 0 at more than `MAX_ZEROS` of the references' points (a clip rate that
-  is often 0) is compared in two parts: its positive values, the zeros left out (as logs where the
+- A metric exactly 0 at more than `MAX_ZEROS` of the references' points (a clip rate that is often 0, a
+  GRPO loss that is 0 where no group has an advantage) is compared in two parts: its positive values, the zeros left out (as logs where the
   above says so), and how often it is exactly 0 (`ZeroRate`: trailing zero fractions against the
   references' local rate, and runs of zeros longer than the references': RUN_FACTOR). On its linear
   scale a third of the points at 0 hid a drop toward 0 from the trailing medians, and logs with the
@@ -166,20 +166,22 @@ def _skew(x: np.ndarray) -> float:
 # KL new/old and the clip rate are 0 on an on-policy first step (a zero becomes far below, one point
 # that the medians pass over). One such zero used to keep the metric on its right-skewed linear scale.
 MAX_ZEROS = 0.1
-# Beyond it, the two-part comparison, where the references hold this many positive values (else the linear
-# scale, as before: a metric that is nearly always 0 has too few to model).
-MIN_TWO_PART_POSITIVE = 30
+# Beyond it, the two-part comparison, where the references hold this many values other than 0 (else the
+# linear scale, as before: a metric that is nearly always 0 has too few to model).
+MIN_TWO_PART_VALUES = 30
 
 
 def two_part(raw: np.ndarray) -> tuple[bool, float]:
-    """Whether the references (steps x seeds, NaN where missing) are compared in two parts (non-negative,
-    exactly 0 at more than MAX_ZEROS of their points, MIN_TWO_PART_POSITIVE positive values or more), and
-    the fraction of their finite points that are positive."""
+    """Whether the references (steps x seeds, NaN where missing) are compared in two parts (exactly 0 at
+    more than MAX_ZEROS of their points, MIN_TWO_PART_VALUES other values or more), and the fraction of
+    their finite points that are not 0. A signed metric too: a GRPO loss is exactly 0 at the steps where
+    every group's rewards are equal (no advantage), and a rise of those from 30% to 70% of steps went
+    unseen on its linear scale (0 of 40, one to three references)."""
     ok = raw[np.isfinite(raw)]
-    if not len(ok) or ok.min() < 0:
+    if not len(ok):
         return False, 1.0
-    pos = ok > 0
-    return bool(pos.mean() < 1 - MAX_ZEROS and pos.sum() >= MIN_TWO_PART_POSITIVE), float(pos.mean())
+    nonzero = ok != 0
+    return bool(nonzero.mean() < 1 - MAX_ZEROS and nonzero.sum() >= MIN_TWO_PART_VALUES), float(nonzero.mean())
 
 
 def _use_log(refs: np.ndarray, detrend: int) -> tuple[bool, np.ndarray | None]:

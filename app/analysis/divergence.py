@@ -13,7 +13,7 @@ The test (`rldiag.app.analysis.detector`, whose docstring says why each piece is
 - also: the candidate's step-to-step noise `var_ratio` (or more) times the references' (`kind="variance"`),
   the candidate non-finite where the references are finite (`kind="nonfinite"`), and, for a metric the
   references log as exactly 0 at more than 10% of steps, how often it is 0 (`kind="zero_rate"`: its
-  positive values are compared as above, the zeros left out).
+  other values are compared as above, the zeros left out).
 The scan is causal: `alert_step` is the step a watcher polling every step reports the departure at;
 `onset_step` is placed after the fact (a CUSUM split). Considered: `ruptures` (offline change-point
 segmentation): it finds where one series changes, not where one leaves another's noise, and needs a
