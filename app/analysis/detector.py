@@ -21,11 +21,11 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
   their noise is multiplicative: its scale grows with the level, where the level moves 2x or more;
   else the log is the less skewed scale (`_use_log`).
 - A metric exactly 0 at more than `MAX_ZEROS` of the references' points (a clip rate that is often 0, a
-  GRPO loss that is 0 where no group has an advantage) is compared in two parts: its positive values, the zeros left out (as logs where the
-  above says so), and how often it is exactly 0 (`ZeroRate`: trailing zero fractions against the
-  references' local rate, and runs of zeros longer than the references': RUN_FACTOR). On its linear
-  scale a third of the points at 0 hid a drop toward 0 from the trailing medians, and logs with the
-  zeros far below put a third of the points at the floor.
+  GRPO loss that is 0 where no group has an advantage) is compared in two parts: its other values, the
+  zeros left out (as logs where the above says so), and how often it is exactly 0 (`ZeroRate`:
+  trailing zero fractions against the references' local rate, and runs of zeros longer than the
+  references': RUN_FACTOR). On its linear scale a third of the points at 0 hid a drop toward 0 from
+  the trailing medians, and logs with the zeros far below put a third of the points at the floor.
 - Values on a lattice (counts, k of N tokens, rewards of k/8) are jittered by up to half a quantum, the
   same at each step for every run (`dequantise`): medians of values that are mostly one lattice point
   jump a whole quantum, and flagged a fifth to a half of same-distribution count-like candidates.
@@ -328,7 +328,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         need = max(1, int(np.ceil((config.window // 2 + 1) * fill)))
         smooth = rolling(vals, config.window, "median", center=True, min_periods=need)
         center = row_nanmedian(smooth)
-        if split:  # between positive points the centre is their interpolation (steps where all are 0)
+        if split:  # between points other than 0 the centre is their interpolation (steps where all are 0)
             center = _interpolate(center)
         # Point noise and its autocorrelation from each seed's residual around a wide smooth (trend out):
         # structure function D(h) = robust variance of x[t+h] - x[t]; AR(1): D(2)/D(1) = 1 + phi.
