@@ -424,9 +424,8 @@ def trailing_mean(x: np.ndarray, m: int) -> np.ndarray:
 
 
 def zero_indicator(values: np.ndarray) -> np.ndarray:
-    """1 where a value is exactly 0, 0 where it is another finite value, NaN where it is not finite."""
-    v = finite_values(values)
-    return np.where(np.isfinite(v), (v == 0).astype(float), np.nan)
+    """1 where a value (of `finite_values`) is exactly 0, 0 where it is another finite value, NaN elsewhere."""
+    return np.where(np.isfinite(values), (values == 0).astype(float), np.nan)
 
 
 def _zero_rate(raw: np.ndarray, config) -> ZeroRate:
@@ -560,7 +559,7 @@ def _variance_bar(vals: np.ndarray, sigma: float, phi: float, config, compress: 
     differ by 10-20%, which put same-distribution candidates over the bar (8 of 14 false alarms on
     bench.divergence_rl's held-out seeds 40-119 were variance ones). `compress` (the two-part comparison):
     changes between consecutive points, the left-out zeros skipped, as `candidate_scale(carry=...)`."""
-    cols = [vals[:, j][np.isfinite(vals[:, j])] if compress else vals[:, j] for j in range(vals.shape[1])]
+    cols = [points(vals[:, j], compress) for j in range(vals.shape[1])]
     per_seed = []
     for x in cols:
         d = np.abs(np.diff(x))

@@ -174,7 +174,7 @@ class Divergence:
     delta_sigma: float  # the same in units of the references' point noise
     first_nonfinite_step: int | None  # the candidate's first NaN/inf where the reference is finite
     steps_compared: int
-    steps_needed: int = DivergenceConfig().min_steps  # the config's min_steps
+    steps_needed: int = DivergenceConfig().min_steps  # the config's min_steps (in points: more steps where zeros are left out)
     alert_step: int | None = None  # when a watcher polling every step first reports the first departure
     departures: tuple[Departure, ...] = field(default=())  # every departure, in order of onset
     detectable: float = float("nan")  # smallest lasting shift (metric units) the longest window that fills flags
@@ -348,9 +348,13 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     first_bad = int(steps[np.flatnonzero(cand_bad)[0]]) if cand_bad.any() else None
     # two-part comparison: the candidate's zeros are left out of the level (r is NaN there), compared by their rate
     zeros = model.zeros
-    is_zero = (cand == 0) if zeros is not None else None
     zero_ind = zero_indicator(cand) if zeros is not None else None
-    compared = int((np.isfinite(r) | (is_zero if is_zero is not None else False)).sum())
+    is_zero = zero_ind == 1 if zero_ind is not None else None
+    level_points = int(np.isfinite(r).sum())
+    compared = level_points + (int(is_zero.sum()) if is_zero is not None else 0)
+    # what staying inside needs: the shortest window twice, in points; where zeros are left out, the steps
+    # that hold that many other values at the references' rate (a 30-step candidate 40% zeros has 18)
+    needed = config.min_steps if zeros is None else int(np.ceil(config.min_steps / model.noise.fill))
     with quiet():
         cand_scale = candidate_scale(ct, config.var_window, carry=is_zero)
         stretches = scan(r, cand_bad, cand_scale, model.noise, config, abs_diffs(ct, carry=is_zero),
@@ -384,7 +388,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                               c_level, ref_level, delta, dsig))
     # the longest window that can report at this length (half full: min_points), not the longest there is: a
     # 60-step candidate never fills the 129-step window, so its bar would understate what is missed
-    usable = [i for i, m in enumerate(config.windows) if min_points(m) <= compared] or [0]
+    usable = [i for i, m in enumerate(config.windows) if min_points(m) <= level_points] or [0]
     bar = model.noise.threshold[usable[-1]] * model.noise.null_sd[usable[-1]]
     with quiet():
         detectable = float(np.nanmedian(np.abs(_inverse(model, center_t + bar) - center_m))) if len(steps) else float("nan")
@@ -393,11 +397,11 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     tail = {"steps_after_references": after, "references_end_step": ref_end if after else None}
     if not deps:
         return Divergence(candidate.key, None, None, None, float("nan"), float("nan"), first_bad, compared,
-                          config.min_steps, detectable=detectable, **tail)
+                          needed, detectable=detectable, **tail)
     d0 = deps[0]
     return Divergence(candidate.key, d0.onset_step, d0.kind, d0.end_step, d0.delta,
                       d0.delta_sigma if d0.kind == "level" else float("nan"), first_bad, compared,
-                      config.min_steps, d0.alert_step, tuple(deps), detectable, d0.candidate, d0.reference, **tail)
+                      needed, d0.alert_step, tuple(deps), detectable, d0.candidate, d0.reference, **tail)
 
 
 DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
@@ -457,7 +461,7 @@ class CandidateSummary:
     the metrics it left the band on, then how much the rest rests on."""
 
     run_id: str
-    steps_needed: int  # DivergenceConfig.min_steps
+    steps_needed: int  # DivergenceConfig.min_steps (a metric compared in two parts needs more: its own steps_needed)
     nonfinite_steps: tuple[int, ...]  # steps with non-finite gradients (rldiag.app.analysis.nan_events.bad_steps)
     departures: tuple[Divergence, ...]  # the metrics it left the band on, earliest onset first
     within: tuple[Divergence, ...]  # compared on enough steps, no departure
@@ -534,7 +538,8 @@ def summarize(divergences: dict[str, dict[str, Divergence]], histories: Historie
 
     keys = list(dict.fromkeys(keys)) if keys is not None else list(histories.keys)
     found = [d for by_cand in divergences.values() for d in by_cand.values()]
-    needed = found[0].steps_needed if found else config.min_steps  # as the detector ran
+    # as the detector ran: its min_steps, the fewest any metric needs (one compared in two parts needs more)
+    needed = min((d.steps_needed for d in found), default=config.min_steps)
     out = []
     for cand in candidate_ids:
         mine = [(k, divergences[k][cand]) for k in keys if cand in divergences.get(k, {})]

@@ -279,7 +279,9 @@ def evidence_parts(s: CandidateSummary) -> list[str]:
     if s.thin:
         n = sorted(d.steps_compared for d in s.thin)
         shown = str(n[0]) if n[0] == n[-1] else f"{n[0]}-{n[-1]}"
-        parts.append(f"not enough steps ({shown} compared, {s.steps_needed} needed) on "
+        k = sorted(d.steps_needed for d in s.thin)  # more where a metric's zeros are left out (two parts)
+        need = str(k[0]) if k[0] == k[-1] else f"{k[0]}-{k[-1]}"
+        parts.append(f"not enough steps ({shown} compared, {need} needed) on "
                      + ", ".join(_named(s, d.key) for d in s.thin))
     if s.not_compared:
         parts.append("not compared: " + ", ".join(_named(s, k) for k in s.not_compared))

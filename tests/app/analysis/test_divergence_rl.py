@@ -408,3 +408,16 @@ def test_a_grpo_loss_that_is_often_exactly_0_gets_its_zero_rate_compared():
     assert flagged == []
     assert all(found)
     assert reference_model(tuple(refs), DivergenceConfig()).zeros is not None
+
+
+def test_a_short_candidate_of_a_two_part_metric_is_not_called_within():
+    # windows count the values other than 0: 30 steps at 30% zeros hold about 21, fewer than the shortest
+    # window twice (22), so it cannot be "within the band"; it needs the steps that hold 22 at the
+    # references' rate, and a long enough one is compared
+    rng = np.random.default_rng(12)
+    refs = [trace(_often_zero(rng), f"r{j}") for j in range(3)]
+    short = detect_divergence(refs, trace(_often_zero(rng)[:30]))
+    assert short.status == "not_enough_steps" and short.steps_compared == 30
+    assert short.steps_needed > 30 and short.evidence.startswith(f"not enough steps (30 compared, {short.steps_needed} needed")
+    longer = detect_divergence(refs, trace(_often_zero(rng)[:120]))
+    assert longer.status == "within" and longer.steps_needed == short.steps_needed
