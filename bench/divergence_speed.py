@@ -89,6 +89,12 @@ def fingerprint(found: dict) -> str:
 
 def before_modules(rev: str):
     """(compare_runs, reference_model, DivergenceConfig) as commit `rev` had them, loaded from git."""
+    mods = load_rev(rev)
+    return mods["divergence"].compare_runs, mods["detector"].reference_model, mods["divergence"].DivergenceConfig
+
+
+def load_rev(rev: str) -> dict:
+    """The detector and divergence modules as commit `rev` had them, loaded from git."""
     tmp = Path(tempfile.mkdtemp(prefix="rldiag-before-"))
     mods = {}
     for name in ("detector", "divergence"):
@@ -100,7 +106,7 @@ def before_modules(rev: str):
         mods[name] = importlib.util.module_from_spec(spec)
         sys.modules[f"_before_{name}"] = mods[name]
         spec.loader.exec_module(mods[name])
-    return mods["divergence"].compare_runs, mods["detector"].reference_model, mods["divergence"].DivergenceConfig
+    return mods
 
 
 def _timed(compare, ref_model, config, h, refs, cands) -> tuple[float, dict]:

@@ -389,9 +389,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
                         top = max(top, float(np.nanmax(np.abs(tm))) / own_sd)
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
             # their bar rises by `k_per_halving` for each halving below the longest window.
-            k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
-            thresholds.append(max(k_m, config.calibration_margin * top * own_sd / sd if sd > 0 else k_m,
-                                  config.calibration_margin * loo_level[wi]))
+            thresholds.append(window_bar(config, m, top * own_sd / sd if sd > 0 else 0.0, loo_level[wi]))
         # One reference: nothing to calibrate on, the fixed bar. With 2+, a lower floor, since each change test's
         # bar rises to what the references reach left out in turn. bench.divergence_rl, floor 7.5 -> 6.5: level3
         # median time to alert 17.5 -> 11 and 2 -> 1 misses (seeds 0-39), no false alarm more on held-out seeds
@@ -405,6 +403,14 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
                        diff_scale, var_bar, change_bar, fill)
     ref_ok = np.isfinite(raw).any(axis=1) if raw.shape[1] else np.zeros(len(steps), bool)
     return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros, q)
+
+
+def window_bar(config, m: int, own_top: float, loo: float) -> float:
+    """A trailing window's bar, in its null sd: `k`, raised by `k_per_halving` for each halving below the
+    longest window, or `calibration_margin` x what the references reach on it (`own_top`: their own
+    residuals, in the same null sd; `loo`: each left out against the others), whichever is more."""
+    k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
+    return max(k_m, config.calibration_margin * own_top, config.calibration_margin * loo)
 
 
 def _interpolate(x: np.ndarray) -> np.ndarray:
@@ -472,9 +478,8 @@ def _zero_rate(raw: np.ndarray, config) -> ZeroRate:
             tm = trailing_mean(res[:, j], m)
             if np.isfinite(tm).any():
                 top = max(top, float(np.nanmax(np.abs(tm))) / own_sd)
-        k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
         null_sd.append(sd)
-        thresholds.append(max(k_m, config.calibration_margin * top * own_sd / sd, config.calibration_margin * loo[wi]))
+        thresholds.append(window_bar(config, m, top * own_sd / sd, loo[wi]))
     longest = max(longest_zero_run(z[:, j]) for j in range(n))
     return ZeroRate(rate, phi, tuple(null_sd), tuple(thresholds), int(np.ceil(RUN_FACTOR * max(longest, 1))),
                     float(np.sqrt(spread2)), max(int(np.isfinite(z).sum(axis=0).max()), 2))
