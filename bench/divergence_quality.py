@@ -15,7 +15,8 @@ run, seed wander and offsets, log-normal positive metrics; 1 to 4 reference seed
 no change, extra spikes, still running; level shifts of 2, 3, 5 sd, drift, variance, NaN, inf stored
 as max-float, a shift from step 0. Figures per kind:
 - fired (no-change kinds: every one is a false alarm); early: the first alert came before the change;
-- detected / missed;
+- detected / missed; of the missed level shifts, how many the verdict owned up to: "within the band
+  (a lasting shift under X would not show)" with X at least the shift (any other is a false all-clear);
 - time to alert, measured online: the candidate is cut after each step from the change on and
   detection run on that prefix, as a watcher polling every step would; the delay is the last step of
   the first prefix that reports a departure, minus the change's first step;
@@ -33,13 +34,14 @@ import numpy as np
 from tqdm import tqdm
 
 from bench._common import env_info, summary_row, write_result
-from bench.divergence_rl import CHANGES, MUST_DETECT, NO_CHANGE, Scenario, make_set
+from bench.divergence_rl import CHANGES, MUST_DETECT, NO_CHANGE, Scenario, make_set, scenario
 from rldiag.app.analysis.detector import finite_values
 from rldiag.app.analysis.divergence import DivergenceConfig, detect_divergence
 from rldiag.app.data.trace import Trace
 
 HELD_OUT_FIRST = 40  # the defaults were chosen on seeds 0-39
 SHIFTS_3SD = ("level3", "level5", "from0")  # the level shifts of 3 sd or more (goal: median time to alert <= 5)
+LEVEL_SHIFTS = ("level2", *SHIFTS_3SD)  # a miss of these is honest only where the verdict says a shift that size would not show
 
 
 def _prefix(t: Trace, n: int) -> Trace:
@@ -54,6 +56,14 @@ def online_alert(s: Scenario, config: DivergenceConfig, full_alert: int | None) 
         if detect_divergence(list(s.references), _prefix(s.candidate, n), config).diverged:
             return int(s.candidate.steps[n - 1])
     return None
+
+
+def _shift(s: Scenario, zeros: bool | str) -> float:
+    """A level shift's size in metric units: the median of |candidate - the same draw unchanged| after it."""
+    base = scenario(s.seed, "none", zeros=zeros).candidate.values
+    after = slice(s.onset or 0, None)
+    with np.errstate(invalid="ignore"):
+        return float(np.nanmedian(np.abs(s.candidate.values[after] - base[after])))
 
 
 def threshold_alert(s: Scenario, k: float) -> int | None:
@@ -72,12 +82,15 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
     rows: dict[str, dict] = {}
     for change in tqdm(CHANGES, desc="change kinds", unit="kind"):
         res = {"rldiag": [], "threshold-3sd": [], "threshold-5sd": []}
+        said: list[bool] = []
         for s in make_set(per_kind, (change,), first_seed, zeros):
             d = detect_divergence(list(s.references), s.candidate, config)
             first_alert = d.alert_step
             if d.diverged and s.onset is not None and first_alert is not None and first_alert >= s.onset:
                 first_alert = online_alert(s, config, first_alert)
             res["rldiag"].append((first_alert if d.diverged else None, d.onset_step, s))
+            if change in LEVEL_SHIFTS and d.status == "within":  # a miss: did the verdict's size cover the shift?
+                said.append(d.detectable >= _shift(s, zeros))
             for k, name in ((3.0, "threshold-3sd"), (5.0, "threshold-5sd")):
                 a = threshold_alert(s, k)
                 res[name].append((a, a, s))
@@ -100,6 +113,8 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
                         "p90_time_to_alert": float(np.percentile(delays, 90)) if delays else None,
                         "median_onset_error": float(np.median(onset_err)) if onset_err else None,
                         "delays": delays}
+        if change in LEVEL_SHIFTS:
+            out["rldiag"]["missed_said"] = sum(said)  # misses whose "a lasting shift under X" held X >= the shift
         rows[change] = out
     return rows
 
@@ -157,6 +172,19 @@ def _zeros_row(res: dict, label: str) -> dict:
     return summary_row(f"divergence, {label}: wrong verdicts (false, early, missed on a required kind) on positive metrics "
                        "exactly 0 at 20-40% of steps", f"{often[1]} of {often[0]}", f"other runs: {other[1]} of {other[0]}",
                        "-", "0", often[1] == 0)
+
+
+def _said_row(res: dict, label: str) -> dict:
+    """Summary row: of the missed level shifts, how many the verdict owned up to ("within the band (a
+    lasting shift under X would not show)" with X at least the shift's size); any other is a false all-clear."""
+    parts, total, said = [], 0, 0
+    for c in LEVEL_SHIFTS:
+        r = res[c]["rldiag"]
+        if r["missed"]:
+            parts.append(f"{c} {r['missed_said']}/{r['missed']}")
+            total, said = total + r["missed"], said + r["missed_said"]
+    return summary_row(f"divergence, {label}: missed level shifts whose verdict says a shift that size would not show",
+                       ", ".join(parts) or "no miss", "-", "-", "every miss", said == total)
 
 
 def _print_by_phi(res: dict, change: str = "level3") -> None:
@@ -251,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"5-sd threshold: median {np.median(base_delays)} with {base_false + base_early} false alarms",
                     "-", "median <= 5 steps", med is not None and med <= 5),
     ]
+    summary.append(_said_row(res, f"seeds 0-{per_kind - 1}"))
     if zeros is True:
         summary.append(_zeros_row(res, f"seeds 0-{per_kind - 1}"))
     if held:
@@ -261,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             "misses, time to alert", f"{h_false} false of {held * len(NO_CHANGE)}, {h_early} early of "
             f"{held * (len(CHANGES) - len(NO_CHANGE))}; misses " + ", ".join(f"{c} {v}" for c, v in h_missed.items() if v)
             + f"; median {h_med} steps", "-", "-", "0 false, 0 early", h_false + h_early == 0))
+        summary.append(_said_row(held_res, f"held-out seeds from {args.held_out_from}"))
         if zeros is True:
             summary.append(_zeros_row(held_res, f"held-out seeds from {args.held_out_from}"))
     if zeros:  # its rows beside the default run's in README's table

@@ -53,6 +53,7 @@ class Scenario:
     n_refs: int
     references: tuple[Trace, ...]
     candidate: Trace
+    seed: int = 0  # scenario(seed, ...) rebuilds it; scenario(seed, "none") is the same candidate unchanged
 
 
 def _noise(rng: np.random.Generator, n: int, phi: float, dof: float) -> np.ndarray:
@@ -155,7 +156,7 @@ def scenario(seed: int, change: str, n_refs: int | None = None, zeros: bool | st
     elif change == "inf":
         cand_v[ONSET:] = MAX_FLOAT
     return Scenario(change, onset, phi, dof, positive, kind, n_refs,
-                    tuple(_trace(r, f"ref{j}") for j, r in enumerate(refs_v)), _trace(cand_v, "cand"))
+                    tuple(_trace(r, f"ref{j}") for j, r in enumerate(refs_v)), _trace(cand_v, "cand"), seed)
 
 
 def make_set(n: int, changes: tuple[str, ...] = CHANGES, first: int = 0, zeros: bool | str = False) -> list[Scenario]:

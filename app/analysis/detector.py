@@ -711,6 +711,32 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
     return sorted(out, key=lambda d: (d.onset, d.alert))
 
 
+def detectable_shift(r: np.ndarray, noise: NoiseModel, config) -> float:
+    """The smallest lasting shift (compared scale) that some test of `scan` flags, in either direction,
+    given where the candidate sits now: a level window (the longest that fills) flags a shift once it
+    crosses the far side of its bar, so one against the candidate's own offset from the centre needs that
+    offset more; a change test (one whose two windows fill) needs its bar in its own sd, and the level
+    it reports on past half its bar. A candidate 0.9 noise sd above the centre that falls by 3 sd ends
+    2.1 sd below it: under the level bar, and for the change test a step the seeds' wander can make."""
+    x = r[np.isfinite(r)]
+    n = len(x)
+    windows = list(config.windows)
+
+    def offset(m: int) -> float:  # the candidate's latest trailing median off the centre (its last m points)
+        return abs(float(np.median(x[-m:]))) if n >= min_points(m) else 0.0
+
+    usable = [i for i, m in enumerate(windows) if min_points(m) <= n] or [0]
+    i = usable[-1]
+    sizes = [noise.threshold[i] * noise.null_sd[i] + offset(windows[i])]
+    for (q, p), sd, bar in zip(config.change_windows, noise.change_sd, noise.change_bar):
+        if q + min_points(p) > n or not np.isfinite(bar):
+            continue
+        end_m = q if q in windows else windows[0]
+        e = windows.index(end_m)
+        sizes.append(max(bar * sd, noise.threshold[e] / 2 * noise.null_sd[e] + offset(end_m)))
+    return float(min(sizes))
+
+
 def _stretches(r: np.ndarray, tests: list, level: dict[int, np.ndarray], bars: tuple[float, ...],
                windows: tuple[int, ...], lookback: int, kind: str) -> list[Stretch]:
     """Departures of the residual `r` by `tests` ((window, z, bar, window whose level z says when it is

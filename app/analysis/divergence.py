@@ -42,8 +42,8 @@ from rldiag.app.analysis.detector import (
     abs_diffs,
     candidate_scale,
     dequantise,
+    detectable_shift,
     finite_values,
-    min_points,
     quiet,
     reference_model,
     rolling,
@@ -177,7 +177,7 @@ class Divergence:
     steps_needed: int = DivergenceConfig().min_steps  # the config's min_steps (in points: more steps where zeros are left out)
     alert_step: int | None = None  # when a watcher polling every step first reports the first departure
     departures: tuple[Departure, ...] = field(default=())  # every departure, in order of onset
-    detectable: float = float("nan")  # smallest lasting shift (metric units) the longest window that fills flags
+    detectable: float = float("nan")  # smallest lasting shift (metric units), either way from where the candidate sits, a test that fills flags
     candidate_level: float = float("nan")  # the candidate's median over the first departure, metric units
     reference_level: float = float("nan")  # the reference centre's median over it
     # the candidate's logged steps after the references' last step (not compared: no band there), and that step
@@ -386,10 +386,9 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
         end = int(steps[s.end]) if s.end is not None else None
         deps.append(Departure(s.kind, int(steps[s.onset]), int(steps[min(s.alert, len(steps) - 1)]), end,
                               c_level, ref_level, delta, dsig))
-    # the longest window that can report at this length (half full: min_points), not the longest there is: a
-    # 60-step candidate never fills the 129-step window, so its bar would understate what is missed
-    usable = [i for i, m in enumerate(config.windows) if min_points(m) <= level_points] or [0]
-    bar = model.noise.threshold[usable[-1]] * model.noise.null_sd[usable[-1]]
+    # the smallest lasting shift a test that fills at this length flags, against where the candidate sits
+    # (a 60-step candidate never fills the 129-step window, so its bar would understate what is missed)
+    bar = detectable_shift(r, model.noise, config)
     with quiet():
         detectable = float(np.nanmedian(np.abs(_inverse(model, center_t + bar) - center_m))) if len(steps) else float("nan")
     ref_end = int(model.steps[-1]) if len(model.steps) else None

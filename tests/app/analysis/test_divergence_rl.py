@@ -421,3 +421,36 @@ def test_a_short_candidate_of_a_two_part_metric_is_not_called_within():
     assert short.steps_needed > 30 and short.evidence.startswith(f"not enough steps (30 compared, {short.steps_needed} needed")
     longer = detect_divergence(refs, trace(_often_zero(rng)[:120]))
     assert longer.status == "within" and longer.steps_needed == short.steps_needed
+
+
+def _ar(rng: np.random.Generator, n: int, phi: float) -> np.ndarray:
+    x = np.zeros(n)
+    for i in range(1, n):
+        x[i] = phi * x[i - 1] + rng.normal(0, np.sqrt(1 - phi**2))
+    return x
+
+
+def test_a_missed_shift_is_under_the_size_the_verdict_says_would_not_show():
+    # Two references, AR(0.75) noise of sd 1; the candidate sits 1 sd above them and falls by 3 sd at step
+    # 300: it ends 2 sd below, under the level bar, and its fall is a step the seeds' wander can make. Where
+    # it is missed, "a lasting shift under X would not show" must hold X >= 3 (the longest window's bar
+    # alone, the size said before, is under 3 on some of them: the candidate's own offset is what it
+    # left out).
+    from rldiag.app.analysis.detector import reference_model
+
+    within, understated = 0, 0
+    for seed in range(20):
+        rng = np.random.default_rng(500 + seed)
+        refs = [trace(10 + _ar(rng, 600, 0.75)) for _ in range(2)]
+        c = 11 + _ar(rng, 600, 0.75)
+        c[300:] -= 3.0
+        d = detect_divergence(refs, trace(c))
+        if d.diverged:
+            assert d.alert_step >= 300 and d.first.delta < 0, (seed, d.departures[:2])
+            continue
+        within += 1
+        assert d.status == "within" and d.detectable >= 3.0, (seed, d.detectable)
+        assert d.evidence == f"within the band (a lasting shift under {d.detectable:.3g} would not show)"
+        noise = reference_model(tuple(refs), DivergenceConfig()).noise
+        understated += noise.threshold[-1] * noise.null_sd[-1] < 3.0
+    assert within >= 3 and understated >= 1, (within, understated)
