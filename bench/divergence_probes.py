@@ -1,5 +1,6 @@
 """Divergence on metric families the labelled set (`bench.divergence_rl`) does not have: counts, rates of
-k in N tokens, rewards of k/8, metrics often exactly 0 (signed too), metrics that die to 0.
+k in N tokens, rewards of k/8, metrics often exactly 0 (signed too), metrics that die to 0; and the
+labelled set's metrics with the candidate logged more sparsely than its references (or the reverse).
 
     python -m bench.divergence_probes                    # ~1 minute; also the detector of --before
     python -m bench.divergence_probes --before none      # this detector only
@@ -139,6 +140,25 @@ def _linear_with_zeros(detect, offset: float) -> tuple[int, int]:
     return wrong, total
 
 
+def _every(t: Trace, k: int) -> Trace:
+    i = np.arange(0, len(t.steps), k)
+    return Trace(t.run_id, t.key, t.source_key, t.steps[i], t.values[i], t.timestamps[i])
+
+
+def _sparse(detect, cand_every: int, refs_every: int) -> tuple[int, int]:
+    """bench.divergence_rl (seeds 0-39, every metric) with the candidate logged every `cand_every`-th step
+    and the references every `refs_every`-th (a run with `logging_steps=5` beside ones that log every
+    step): wrong verdicts, as `_linear_with_zeros` counts them, and comparisons."""
+    wrong = total = 0
+    for change in ("none", "spikes", "level3", "level5", "variance", "from0"):
+        for seed in range(40):
+            s = scenario(seed, change)
+            d = detect([_every(r, refs_every) for r in s.references], _every(s.candidate, cand_every))
+            total += 1
+            wrong += d.diverged if s.onset is None else (not d.diverged or d.alert_step < s.onset)
+    return wrong, total
+
+
 def run(detect) -> dict:
     out = {}
     for name, (draw, salt) in tqdm(NO_CHANGE.items(), desc="no-change probes", unit="probe"):
@@ -149,6 +169,10 @@ def run(detect) -> dict:
                          (0.0, "divergence_rl linear metrics, 30% zeros, at 10")):
         wrong, total = _linear_with_zeros(detect, offset)
         out[name] = {"wrong": wrong, "of": total}
+    for c_every, r_every in ((5, 1), (2, 1), (1, 5)):
+        wrong, total = _sparse(detect, c_every, r_every)
+        out[f"divergence_rl, candidate logged every {c_every}, references every {r_every} step(s)"] = {
+            "wrong": wrong, "of": total}
     return out
 
 

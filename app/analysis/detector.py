@@ -583,6 +583,12 @@ def _variance_bar(vals: np.ndarray, sigma: float, phi: float, config, compress: 
     return scale, max(config.var_ratio, config.calibration_margin * top)
 
 
+def spacing(pos: np.ndarray) -> int:
+    """The candidate's typical gap between compared points, in the references' logged steps (1: it logs
+    where they do; 5: a candidate with `logging_steps=5` against references that log every step)."""
+    return max(1, round(float(np.median(np.diff(pos))))) if len(pos) > 2 else 1
+
+
 @dataclass(frozen=True)
 class Stretch:
     """One stretch where the candidate is outside the references' noise (indices into the compared steps)."""

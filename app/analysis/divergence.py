@@ -28,6 +28,7 @@ steps, not compared, or no longer logged).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from rldiag.app.analysis.detector import (
     reference_model,
     rolling,
     scan,
+    spacing,
     transform,
     zero_indicator,
 )
@@ -295,6 +297,18 @@ def _aligned(model, candidate: Trace):
     return steps, raw, pos[keep]
 
 
+def _at(t: Trace, steps: np.ndarray) -> Trace:
+    keep = np.isin(t.steps, steps)
+    return Trace(t.run_id, t.key, t.source_key, t.steps[keep], t.values[keep], t.timestamps[keep])
+
+
+@functools.lru_cache(maxsize=32)
+def _model_at(references: tuple[Trace, ...], steps: bytes, config: DivergenceConfig):
+    """The reference model of `references` at these steps only (cached: the dashboard's refresh asks again)."""
+    at = np.frombuffer(steps, np.int64)
+    return reference_model(tuple(_at(t, at) for t in references), config)
+
+
 def _floor(model, center_t: np.ndarray, config: DivergenceConfig) -> np.ndarray:
     """min_delta / rel_delta as a floor on |residual| in the compared scale."""
     if not (config.min_delta or config.rel_delta):
@@ -312,6 +326,14 @@ def _inverse(model, x: np.ndarray) -> np.ndarray:
 def _residual(references: Sequence[Trace], candidate: Trace, config: DivergenceConfig):
     model = reference_model(tuple(references), config)
     steps, raw, pos = _aligned(model, candidate)
+    if spacing(pos) > 1:
+        # The candidate logs more sparsely than the references (logging_steps=5 beside runs that log every
+        # step): the model is built from the references at its steps alone, so that its noise, the
+        # autocorrelation between its points and the step-to-step scale are those of points as far apart
+        # as the candidate's. On one step's, the candidate's 5-step changes (larger under autocorrelated
+        # noise) were variance departures on 10 of 40 no-change candidates of bench.divergence_rl.
+        model = _model_at(tuple(references), np.asarray(candidate.steps, np.int64).tobytes(), config)
+        steps, raw, pos = _aligned(model, candidate)
     center_t = model.center[pos]
     cand = finite_values(raw)
     split = model.zeros is not None
@@ -355,9 +377,10 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     # what staying inside needs: the shortest window twice, in points; where zeros are left out, the steps
     # that hold that many other values at the references' rate (a 30-step candidate 40% zeros has 18)
     needed = config.min_steps if zeros is None else int(np.ceil(config.min_steps / model.noise.fill))
+    noise = model.noise
     with quiet():
         cand_scale = candidate_scale(ct, config.var_window, carry=is_zero)
-        stretches = scan(r, cand_bad, cand_scale, model.noise, config, abs_diffs(ct, carry=is_zero),
+        stretches = scan(r, cand_bad, cand_scale, noise, config, abs_diffs(ct, carry=is_zero),
                          zero_ind, zeros, zeros.rate[pos] if zeros is not None else None)
     deps = []
     center_m = _inverse(model, center_t)
@@ -379,7 +402,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                 delta = float(np.nanmedian(gap[seg]))
                 if s.kind == "variance":
                     scale = cand_scale[seg]
-                    ref_scale = model.noise.diff_scale
+                    ref_scale = noise.diff_scale
                     dsig = float(np.nanmedian(scale) / ref_scale) if ref_scale > 0 else float("nan")
                 else:
                     dsig = float(np.nanmedian(r[seg]) / sigma) if sigma > 0 else float("inf") * np.sign(delta)

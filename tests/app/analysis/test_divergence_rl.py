@@ -454,3 +454,27 @@ def test_a_missed_shift_is_under_the_size_the_verdict_says_would_not_show():
         noise = reference_model(tuple(refs), DivergenceConfig()).noise
         understated += noise.threshold[-1] * noise.null_sd[-1] < 3.0
     assert within >= 3 and understated >= 1, (within, understated)
+
+
+def _every(t: Trace, k: int) -> Trace:
+    i = np.arange(0, len(t.steps), k)
+    return Trace(t.run_id, t.key, t.source_key, t.steps[i], t.values[i], t.timestamps[i])
+
+
+def test_a_candidate_that_logs_every_5th_step_is_compared_on_its_own_grid():
+    # References logging every step, a candidate with logging_steps=5: its step-to-step changes span 5
+    # steps, larger under autocorrelated noise than the references' one-step changes. Measured against
+    # those, 10 of these 40 no-change candidates were variance departures; on its own grid (the references
+    # at its steps), none. A real variance change (noise sd 1 -> sqrt 10) is still found, and every
+    # verdict is the one against references logged as sparsely as it is.
+    flagged = [seed for seed in range(40) if detect_divergence(
+        list((s := scenario(seed, "none")).references), _every(s.candidate, 5)).diverged]
+    assert flagged == []
+    found = 0
+    for seed in range(20):
+        s = scenario(seed, "variance")
+        d = detect_divergence(list(s.references), _every(s.candidate, 5))
+        found += d.diverged and d.kind == "variance" and d.alert_step >= s.onset
+        same = detect_divergence([_every(r, 5) for r in s.references], _every(s.candidate, 5))
+        assert (d.status, d.departures, d.detectable) == (same.status, same.departures, same.detectable)
+    assert found >= 18, found
