@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from bench._common import env_info, summary_row, write_result
 from bench.divergence_data import trace
-from bench.divergence_rl import scenario
+from bench.divergence_rl import every, scenario
 from rldiag.app.analysis.divergence import detect_divergence
 from rldiag.app.data.trace import Trace
 
@@ -136,13 +136,13 @@ def _linear_with_zeros(detect, offset: float) -> tuple[int, int]:
             refs = [_with_zeros(r, seed, j, offset) for j, r in enumerate(s.references)]
             d = detect(refs, _with_zeros(s.candidate, seed, 99, offset))
             total += 1
-            wrong += d.diverged if s.onset is None else (not d.diverged or d.alert_step < s.onset)
+            wrong += _wrong(d, s)
     return wrong, total
 
 
-def _every(t: Trace, k: int) -> Trace:
-    i = np.arange(0, len(t.steps), k)
-    return Trace(t.run_id, t.key, t.source_key, t.steps[i], t.values[i], t.timestamps[i])
+def _wrong(d, s) -> bool:
+    """A flag on no change; a miss or an alert before the change on a change."""
+    return d.diverged if s.onset is None else (not d.diverged or d.alert_step < s.onset)
 
 
 def _sparse(detect, cand_every: int, refs_every: int) -> tuple[int, int]:
@@ -153,9 +153,9 @@ def _sparse(detect, cand_every: int, refs_every: int) -> tuple[int, int]:
     for change in ("none", "spikes", "level3", "level5", "variance", "from0"):
         for seed in range(40):
             s = scenario(seed, change)
-            d = detect([_every(r, refs_every) for r in s.references], _every(s.candidate, cand_every))
+            d = detect([every(r, refs_every) for r in s.references], every(s.candidate, cand_every))
             total += 1
-            wrong += d.diverged if s.onset is None else (not d.diverged or d.alert_step < s.onset)
+            wrong += _wrong(d, s)
     return wrong, total
 
 

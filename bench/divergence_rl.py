@@ -53,7 +53,7 @@ class Scenario:
     n_refs: int
     references: tuple[Trace, ...]
     candidate: Trace
-    seed: int = 0  # scenario(seed, ...) rebuilds it; scenario(seed, "none") is the same candidate unchanged
+    seed: int  # scenario(seed, ...) rebuilds it; scenario(seed, "none") is the same candidate unchanged
 
 
 def _noise(rng: np.random.Generator, n: int, phi: float, dof: float) -> np.ndarray:
@@ -157,6 +157,12 @@ def scenario(seed: int, change: str, n_refs: int | None = None, zeros: bool | st
         cand_v[ONSET:] = MAX_FLOAT
     return Scenario(change, onset, phi, dof, positive, kind, n_refs,
                     tuple(_trace(r, f"ref{j}") for j, r in enumerate(refs_v)), _trace(cand_v, "cand"), seed)
+
+
+def every(t: Trace, k: int) -> Trace:
+    """Every `k`-th point of a run (a run logged with `logging_steps=k`)."""
+    i = np.arange(0, len(t.steps), k)
+    return Trace(t.run_id, t.key, t.source_key, t.steps[i], t.values[i], t.timestamps[i])
 
 
 def make_set(n: int, changes: tuple[str, ...] = CHANGES, first: int = 0, zeros: bool | str = False) -> list[Scenario]:

@@ -324,16 +324,17 @@ def _inverse(model, x: np.ndarray) -> np.ndarray:
 
 
 def _residual(references: Sequence[Trace], candidate: Trace, config: DivergenceConfig):
-    model = reference_model(tuple(references), config)
-    steps, raw, pos = _aligned(model, candidate)
-    if spacing(pos) > 1:
+    grid = np.unique(np.concatenate([t.steps for t in references])) if references else np.empty(0, np.int64)
+    if spacing(np.searchsorted(grid, candidate.steps)) <= 1:
+        model = reference_model(tuple(references), config)
+    else:
         # The candidate logs more sparsely than the references (logging_steps=5 beside runs that log every
         # step): the model is built from the references at its steps alone, so that its noise, the
         # autocorrelation between its points and the step-to-step scale are those of points as far apart
         # as the candidate's. On one step's, the candidate's 5-step changes (larger under autocorrelated
         # noise) were variance departures on 10 of 40 no-change candidates of bench.divergence_rl.
         model = _model_at(tuple(references), np.asarray(candidate.steps, np.int64).tobytes(), config)
-        steps, raw, pos = _aligned(model, candidate)
+    steps, raw, pos = _aligned(model, candidate)
     center_t = model.center[pos]
     cand = finite_values(raw)
     split = model.zeros is not None
@@ -377,10 +378,9 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     # what staying inside needs: the shortest window twice, in points; where zeros are left out, the steps
     # that hold that many other values at the references' rate (a 30-step candidate 40% zeros has 18)
     needed = config.min_steps if zeros is None else int(np.ceil(config.min_steps / model.noise.fill))
-    noise = model.noise
     with quiet():
         cand_scale = candidate_scale(ct, config.var_window, carry=is_zero)
-        stretches = scan(r, cand_bad, cand_scale, noise, config, abs_diffs(ct, carry=is_zero),
+        stretches = scan(r, cand_bad, cand_scale, model.noise, config, abs_diffs(ct, carry=is_zero),
                          zero_ind, zeros, zeros.rate[pos] if zeros is not None else None)
     deps = []
     center_m = _inverse(model, center_t)
@@ -402,7 +402,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                 delta = float(np.nanmedian(gap[seg]))
                 if s.kind == "variance":
                     scale = cand_scale[seg]
-                    ref_scale = noise.diff_scale
+                    ref_scale = model.noise.diff_scale
                     dsig = float(np.nanmedian(scale) / ref_scale) if ref_scale > 0 else float("nan")
                 else:
                     dsig = float(np.nanmedian(r[seg]) / sigma) if sigma > 0 else float("inf") * np.sign(delta)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench.divergence_data import trace
-from bench.divergence_rl import NO_CHANGE, make_set, scenario
+from bench.divergence_rl import NO_CHANGE, every, make_set, scenario
 from rldiag.app.analysis.divergence import DivergenceConfig, departure_text, detect_divergence, sigma_text
 from rldiag.app.data.trace import Trace
 
@@ -456,11 +456,6 @@ def test_a_missed_shift_is_under_the_size_the_verdict_says_would_not_show():
     assert within >= 3 and understated >= 1, (within, understated)
 
 
-def _every(t: Trace, k: int) -> Trace:
-    i = np.arange(0, len(t.steps), k)
-    return Trace(t.run_id, t.key, t.source_key, t.steps[i], t.values[i], t.timestamps[i])
-
-
 def test_a_candidate_that_logs_every_5th_step_is_compared_on_its_own_grid():
     # References logging every step, a candidate with logging_steps=5: its step-to-step changes span 5
     # steps, larger under autocorrelated noise than the references' one-step changes. Measured against
@@ -468,13 +463,13 @@ def test_a_candidate_that_logs_every_5th_step_is_compared_on_its_own_grid():
     # at its steps), none. A real variance change (noise sd 1 -> sqrt 10) is still found, and every
     # verdict is the one against references logged as sparsely as it is.
     flagged = [seed for seed in range(40) if detect_divergence(
-        list((s := scenario(seed, "none")).references), _every(s.candidate, 5)).diverged]
+        list((s := scenario(seed, "none")).references), every(s.candidate, 5)).diverged]
     assert flagged == []
     found = 0
     for seed in range(20):
         s = scenario(seed, "variance")
-        d = detect_divergence(list(s.references), _every(s.candidate, 5))
+        d = detect_divergence(list(s.references), every(s.candidate, 5))
         found += d.diverged and d.kind == "variance" and d.alert_step >= s.onset
-        same = detect_divergence([_every(r, 5) for r in s.references], _every(s.candidate, 5))
+        same = detect_divergence([every(r, 5) for r in s.references], every(s.candidate, 5))
         assert (d.status, d.departures, d.detectable) == (same.status, same.departures, same.detectable)
     assert found >= 18, found
