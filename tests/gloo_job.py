@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 
 def gloo_step(model, rank: int, step: int, *, nan_step: int, x_scale: float = 1.0, lp_scale: float = 1.0):
     """Forward and backward on `model` (Linear(3, 4) -> Linear(4, 2)); returns (loss, policy metrics).
@@ -114,3 +116,15 @@ def assert_nan_run_logged(uri: str, run_id: str, *, steps: int, nan_steps: tuple
     assert tags["rldiag.alert.count"] == "2" and tags["rldiag.alert.first_step"] == str(nan_steps[0])
     last = json.loads(tags["rldiag.alert.last"])
     assert last["step"] == nan_steps[1] and last["params"] == [last_param]
+
+
+def teardown() -> None:
+    """Tear gloo down after the function that held the job's model, optimizer and gradients has returned
+    (their gloo tensors and work handles freed now, not at interpreter exit after the group is gone) and
+    both ranks are past every collective. CI saw rank 0 of the FSDP2 job abort at exit once ('terminate
+    called without an active exception', SIGABRT) when the model was still alive at teardown."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()

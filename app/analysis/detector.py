@@ -49,6 +49,13 @@ from rldiag.app.analysis.rolling_median import rolling_median, row_nanmedian
 from rldiag.app.data.trace import Trace
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
+# The smallest noise sd a test is scaled by, per unit of the metric's level (or 1, where its level is
+# below 1): float32's unit roundoff. Trainers compute their metrics in float32 or coarser, so a
+# difference under it is rounding. A GRPO loss is a sum of advantages x ratios (order 1) that cancel to
+# about 0: a seed whose groups all had equal rewards logged exactly 0 from step 12 on, another seed kept
+# its rounding noise (-2e-8), and against the first (a floor of 1e-9) the second was a level departure at
+# 5.6 sd (tests/experiments/test_divergence_onsets.py).
+RESOLUTION = 2.0**-24
 
 
 def median_var(phi: float) -> float:
@@ -367,12 +374,12 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             average does) and the seed-to-seed spread."""
             center_var = median_var(phi_w) * sigma**2 * ar_mean_var(max(m, config.window), phi_w) / max(seeds, 1)
             v = median_var(phi_w) * sigma**2 * ar_mean_var(m, phi_w) + center_var + spread**2 * (1 + 1 / max(seeds, 1))
-            return max(float(np.sqrt(v)), config.min_delta / config.k, 1e-9 * max(1.0, scale_of_level))
+            return max(float(np.sqrt(v)), config.min_delta / config.k, RESOLUTION * max(1.0, scale_of_level))
 
         # The candidate against its own recent past (relative to the centre): seed offsets and wander
         # cancel, so an abrupt change shows long before its level clears the seed spread.
         change_sd = tuple(max(float(np.sqrt(median_var(phi_w) * sigma**2 * ar_diff_var(q, p, phi_w))),
-                              1e-9 * max(1.0, scale_of_level)) for q, p in config.change_windows)
+                              RESOLUTION * max(1.0, scale_of_level)) for q, p in config.change_windows)
         loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd, split)
         null_sd, thresholds = [], []
         for wi, m in enumerate(config.windows):
@@ -398,6 +405,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         k_floor = config.k_change if n < 2 else config.k_change_loo
         change_bar = tuple(max(k_floor, config.calibration_margin * c) for c in loo_change)
         diff_scale, var_bar = _variance_bar(vals, sigma, phi, config, compress=split)
+        diff_scale = max(diff_scale, RESOLUTION * max(1.0, scale_of_level))  # rounding is not noise to scale by
         zeros = _zero_rate(raw, config) if split else None
     noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
                        diff_scale, var_bar, change_bar, fill)

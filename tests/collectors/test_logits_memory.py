@@ -82,8 +82,14 @@ def test_entropy_equals_unchunked(small_chunks, v) -> None:
 
 def test_entropy_at_the_real_budget_rows_over_several_chunks() -> None:
     # 2 x 8 rows of 150_000: 2.4 M elements > CHUNK_ELEMENTS (1 Mi): chunks of 6 rows
+    # float32 sums of 150_000 terms differ by the order they are summed in (the CPU's vector width picks
+    # it): both are held to the float64 entropy, the chunked one no further off than the unchunked one
     logits = _logits(2, 8, 150_000, seed=1)
-    assert_close(token_entropy(logits), ref_entropy(logits))
+    exact = torch.special.entr(torch.softmax(logits.double(), dim=-1)).sum(-1)
+    chunked_err = (token_entropy(logits).double() - exact).abs().max().item()
+    unchunked_err = (ref_entropy(logits).double() - exact).abs().max().item()
+    assert chunked_err <= max(2 * unchunked_err, 1e-6 * exact.abs().max().item()), (chunked_err, unchunked_err)
+    assert unchunked_err < 1e-4 * exact.abs().max().item()  # float32 over V terms: about 1e-5 relative
 
 
 def test_probe_flags_equal_unchunked(small_chunks) -> None:
