@@ -119,12 +119,22 @@ def assert_nan_run_logged(uri: str, run_id: str, *, steps: int, nan_steps: tuple
 
 
 def teardown() -> None:
-    """Tear gloo down after the function that held the job's model, optimizer and gradients has returned
-    (their gloo tensors and work handles freed now, not at interpreter exit after the group is gone) and
-    both ranks are past every collective. CI saw rank 0 of the FSDP2 job abort at exit once ('terminate
-    called without an active exception', SIGABRT) when the model was still alive at teardown."""
+    """Tear gloo down and leave the worker process, after the function that held the job's model,
+    optimizer and gradients has returned (their gloo tensors and work handles freed now, not at
+    interpreter exit after the group is gone) and both ranks are past every collective. CI saw rank 0
+    of the FSDP2 job abort at exit once ('terminate called without an active exception', SIGABRT), as
+    pytorch/pytorch#179291 describes for gloo work objects destroyed during interpreter finalization:
+    the worker leaves with os._exit once its result file is written and the group is destroyed, so no
+    C++ destructor runs in a half-finalized interpreter. Nothing is lost by it: the Monitor was closed
+    in the job, and the test reads back from MLflow what it logged."""
+    import os
+    import sys
+
     import torch.distributed as dist
 
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

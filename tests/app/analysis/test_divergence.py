@@ -206,3 +206,22 @@ def test_summary_per_candidate_nan_first_thin_not_compared_and_stopped_metrics(s
     assert [(d.key, d.steps_compared) for d in s.thin] == [(keys.ENTROPY, 10), (keys.LOSS, 8)]
     assert s.not_compared == s.no_reference == (keys.KL_REF,)  # the candidate logged it, no reference did
     assert s.last_logged == {keys.ENTROPY: 9} and not s.clean
+
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rounding_under_float32_resolution_is_not_a_departure_but_a_shift_above_it_is(seed):
+    # engine-parity's GSPO loss on-policy: advantages with zero mean times ratios of 1 give 0 up to
+    # float32 rounding, a few multiples of 2**-26 either way; the reference seed's groups all had equal
+    # rewards from step 12 on, so it logs exactly 0 there. A seed's rounding is not a departure; a shift
+    # of 1e-6 from step 12 (17 units of float32 roundoff) is, and at step 12, not at an earlier step of
+    # rounding (a 1e-9 floor on the noise sd flagged steps 2 and 9 of two such seeds at 5.6 and 131 sd)
+    rng = np.random.default_rng(seed)
+    u = float(np.float32(2.0**-26))
+    ref = u * rng.integers(-3, 4, 20).astype(float)
+    ref[12:] = 0.0
+    cand = u * rng.integers(-3, 4, 20).astype(float)
+    assert detect_divergence([trace(ref, "ref")], trace(cand, "cand")).departures == ()
+    cand[12:] += 1e-6
+    apart = detect_divergence([trace(ref, "ref")], trace(cand, "cand"))
+    assert apart.status == "diverged" and [d.onset_step for d in apart.departures] == [12]
