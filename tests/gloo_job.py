@@ -119,22 +119,23 @@ def assert_nan_run_logged(uri: str, run_id: str, *, steps: int, nan_steps: tuple
 
 
 def teardown() -> None:
-    """Tear gloo down and leave the worker process, after the function that held the job's model,
-    optimizer and gradients has returned (their gloo tensors and work handles freed now, not at
-    interpreter exit after the group is gone) and both ranks are past every collective. CI saw rank 0
-    of the FSDP2 job abort at exit once ('terminate called without an active exception', SIGABRT), as
-    pytorch/pytorch#179291 describes for gloo work objects destroyed during interpreter finalization:
-    the worker leaves with os._exit once its result file is written and the group is destroyed, so no
-    C++ destructor runs in a half-finalized interpreter. Nothing is lost by it: the Monitor was closed
-    in the job, and the test reads back from MLflow what it logged."""
+    """End a 2-rank test worker once its result file is written: a barrier (both ranks past every
+    collective), destroy the process group, then leave with os._exit. CI saw workers abort at exit
+    ('terminate called without an active exception', SIGABRT) after their job was done, the FSDP2 job's
+    rank 0 and the DeepSpeed ZeRO-2 Trainer job's rank 1, as pytorch/pytorch#179291 describes for gloo
+    work objects destroyed during interpreter finalization; a barrier and destroy_process_group alone
+    did not prevent it. Leaving with os._exit runs no C++ destructor in a half-finalized interpreter.
+    Nothing is lost by it: every job closes its Monitor (or the Trainer its callback) before this, and
+    the tests read back from MLflow what it logged."""
     import os
     import sys
 
     import torch.distributed as dist
 
     gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

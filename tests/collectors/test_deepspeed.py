@@ -19,7 +19,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from tests.gloo_job import assert_nan_run_logged
+from tests.gloo_job import assert_nan_run_logged, teardown
 
 STEPS = 5
 BACKWARD_NAN = 1  # rank 1's backward gives 1.bias a NaN gradient; DeepSpeed's reduce carries it on
@@ -98,8 +98,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, stage: int
     ref_state = {n: p.detach().tolist() for n, p in ref.named_parameters()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
         {"results": results, "run_id": run_id, "state": state, "ref_state": ref_state, "partial": partial}))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    teardown()
 
 
 def _capture_warnings() -> list[str]:
@@ -272,8 +271,7 @@ def _accumulation_worker(rank: int, world: int, port: int, uri: str, out_dir: st
                     rows.append({"found": r.found, "finite": r.finite, "norm": r.norm,
                                  "ds_norm": float(engine.get_global_grad_norm())})
     Path(out_dir, f"acc{rank}.json").write_text(json.dumps({"rows": rows, "warned": warned}))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    teardown()
 
 
 @pytest.mark.timeout(300)

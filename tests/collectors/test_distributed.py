@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
 from tests.conftest import free_port
+from tests.gloo_job import teardown
 
 NAN_STEP = 2
 
@@ -37,7 +38,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
             model.zero_grad()
         run_id = mon.run_id
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"results": results, "run_id": run_id}))
-    dist.destroy_process_group()
+    teardown()
 
 
 @pytest.mark.timeout(300)

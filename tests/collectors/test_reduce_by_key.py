@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
 from tests.conftest import free_port
+from tests.gloo_job import teardown
 
 
 def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
@@ -40,8 +41,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
         mon.step(2, model, metrics=metrics)  # the ranks are still in step after the error
         run_id = mon.run_id
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"run_id": run_id, "error": error}))
-    dist.barrier()
-    dist.destroy_process_group()
+    teardown()
 
 
 @pytest.mark.timeout(180)

@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rldiag.collectors import Monitor
-    from tests.gloo_job import gloo_step
+    from tests.gloo_job import gloo_step, teardown
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     torch.set_num_threads(1)
@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     writer = None if mon.writer is None else vars(mon.writer.stats)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"records": records, "run_id": mon.run_id,
                                                              "writer": writer}))
-    dist.destroy_process_group()
+    teardown()
 
 
 def _db_rows(pg, run_id: str) -> dict[str, dict[int, tuple[float, int]]]:

@@ -72,13 +72,9 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str, attach: bool) 
         "had_session": cb._owns_session and rank == 0,
         "trainer_grad_norm": {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h},
     }))
-    # both ranks done before either tears gloo down: a rank that exits while the other is still in a
-    # collective aborts in gloo's C++ threads ("terminate called without an active exception")
-    import torch.distributed as dist
+    from tests.gloo_job import teardown
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    teardown()  # both ranks done before either tears gloo down, then out without finalization
 
 
 @pytest.mark.slow

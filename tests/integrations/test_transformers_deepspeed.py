@@ -54,11 +54,9 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str, stage: int) ->
     logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "engine": type(trainer.model_wrapped).__name__, "trainer_grad_norm": logged}))
-    import torch.distributed as dist
+    from tests.gloo_job import teardown
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    teardown()
 
 
 @pytest.mark.slow
