@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 
 def gloo_step(model, rank: int, step: int, *, nan_step: int, x_scale: float = 1.0, lp_scale: float = 1.0):
     """Forward and backward on `model` (Linear(3, 4) -> Linear(4, 2)); returns (loss, policy metrics).
@@ -132,7 +130,6 @@ def teardown() -> None:
 
     import torch.distributed as dist
 
-    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

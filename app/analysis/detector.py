@@ -54,7 +54,7 @@ _MAD = 1.4826  # MAD -> standard deviation for normal noise
 # difference under it is rounding. A GRPO loss is a sum of advantages x ratios (order 1) that cancel to
 # about 0: a seed whose groups all had equal rewards logged exactly 0 from step 12 on, another seed kept
 # its rounding noise (-2e-8), and against the first (a floor of 1e-9) the second was a level departure at
-# 5.6 sd (tests/experiments/test_divergence_onsets.py).
+# 5.6 sd (tests/experiments/test_divergence_onsets.py; the case in tests/app/analysis/test_divergence.py).
 RESOLUTION = 2.0**-24
 
 
@@ -367,6 +367,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
         # windows count points: where zeros are left out, a window's points are thinned steps
         phi_w = thinned_phi(phi, fill)
+        rounding = RESOLUTION * max(1.0, scale_of_level)  # no test's sd is below the metric's rounding
 
         def null_sd_of(m: int, seeds: int) -> float:
             """sd of (a seed's trailing m-median - the centre of `seeds` seeds) under no change: its own noise,
@@ -374,12 +375,12 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             average does) and the seed-to-seed spread."""
             center_var = median_var(phi_w) * sigma**2 * ar_mean_var(max(m, config.window), phi_w) / max(seeds, 1)
             v = median_var(phi_w) * sigma**2 * ar_mean_var(m, phi_w) + center_var + spread**2 * (1 + 1 / max(seeds, 1))
-            return max(float(np.sqrt(v)), config.min_delta / config.k, RESOLUTION * max(1.0, scale_of_level))
+            return max(float(np.sqrt(v)), config.min_delta / config.k, rounding)
 
         # The candidate against its own recent past (relative to the centre): seed offsets and wander
         # cancel, so an abrupt change shows long before its level clears the seed spread.
         change_sd = tuple(max(float(np.sqrt(median_var(phi_w) * sigma**2 * ar_diff_var(q, p, phi_w))),
-                              RESOLUTION * max(1.0, scale_of_level)) for q, p in config.change_windows)
+                              rounding) for q, p in config.change_windows)
         loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd, split)
         null_sd, thresholds = [], []
         for wi, m in enumerate(config.windows):
@@ -405,7 +406,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         k_floor = config.k_change if n < 2 else config.k_change_loo
         change_bar = tuple(max(k_floor, config.calibration_margin * c) for c in loo_change)
         diff_scale, var_bar = _variance_bar(vals, sigma, phi, config, compress=split)
-        diff_scale = max(diff_scale, RESOLUTION * max(1.0, scale_of_level))  # rounding is not noise to scale by
+        diff_scale = max(diff_scale, rounding)
         zeros = _zero_rate(raw, config) if split else None
     noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
                        diff_scale, var_bar, change_bar, fill)

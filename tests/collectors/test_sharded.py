@@ -31,25 +31,17 @@ SHARD_NAN_TARGET = {"fsdp2": "0.weight", "fsdp1-orig": "1.weight", "fsdp1-flat":
 
 
 def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, kind: str) -> None:
-    import torch.distributed as dist
-
-    from tests.gloo_job import teardown
-
-    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_train(rank, world, uri, out_dir, kind)))
-    teardown()
-
-
-def _train(rank: int, world: int, uri: str, out_dir: str, kind: str) -> dict:
     import copy
 
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     from rldiag.collectors import Monitor
-    from tests.gloo_job import full_params, nan_bias_hook, shard_model
+    from tests.gloo_job import full_params, nan_bias_hook, shard_model, teardown
 
+    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)  # same initial weights on both ranks
     plain = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
     ref = copy.deepcopy(plain)  # a plain replica: trained on the finite steps only
@@ -102,7 +94,9 @@ def _train(rank: int, world: int, uri: str, out_dir: str, kind: str) -> dict:
     state = full_params(model, kind)
     ref_state = {n: p.detach().tolist() for n, p in ref.named_parameters()}
     dtensors = _replicated_and_partial_dtensors(rank, world) if kind == "fsdp2" else None
-    return {"results": results, "run_id": run_id, "state": state, "ref_state": ref_state, "dtensors": dtensors}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"results": results, "run_id": run_id, "state": state, "ref_state": ref_state, "dtensors": dtensors}))
+    teardown()
 
 
 def _replicated_and_partial_dtensors(rank: int, world: int) -> dict:
@@ -197,26 +191,18 @@ CB_NAN_PARAM = "model.layers.1.mlp.down_proj.weight"
 def _callback_worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), MLFLOW_DISABLE_TELEMETRY="true")
-    import torch.distributed as dist
-
-    from tests.gloo_job import teardown
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_callback_train(rank, world, uri, out_dir)))
-    teardown()
-
-
-def _callback_train(rank: int, world: int, uri: str, out_dir: str) -> dict:
     import copy
 
     import torch
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM, TrainerControl, TrainerState
 
     from rldiag.collectors.integrations.transformers import RldiagCallback
-    from tests.gloo_job import full_params, nan_weight_hook
+    from tests.gloo_job import full_params, nan_weight_hook, teardown
     from tests.integrations.test_transformers import V, llama_config, training_args
 
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config())
     ref = copy.deepcopy(model)  # a plain replica, trained on the finite steps only
@@ -259,7 +245,9 @@ def _callback_train(rank: int, world: int, uri: str, out_dir: str) -> dict:
     cb.on_train_end(args, state, control)
     state_full = full_params(model, "fsdp2")
     ref_state = {n: p.detach().tolist() for n, p in ref.named_parameters()}
-    return {"run_id": run_id, "expected": expected, "state": state_full, "ref_state": ref_state}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"run_id": run_id, "expected": expected, "state": state_full, "ref_state": ref_state}))
+    teardown()
 
 
 @pytest.mark.timeout(240)

@@ -208,7 +208,6 @@ def test_summary_per_candidate_nan_first_thin_not_compared_and_stopped_metrics(s
     assert s.last_logged == {keys.ENTROPY: 9} and not s.clean
 
 
-
 @pytest.mark.parametrize("seed", range(20))
 def test_rounding_under_float32_resolution_is_not_a_departure_but_a_shift_above_it_is(seed):
     # engine-parity's GSPO loss on-policy: advantages with zero mean times ratios of 1 give 0 up to
