@@ -111,6 +111,8 @@ class NoiseModel(NamedTuple):
     var_bar: float  # candidate scale / diff_scale that is a variance departure (>= var_ratio; self-calibrated)
     change_bar: tuple[float, ...]  # per change_windows pair, in change sd (>= k_change, k_change_loo with 2+ seeds; self-calibrated)
     fill: float = 1.0  # fraction of the references' points in the compared values (< 1: the two-part comparison's zeros left out)
+    innov_sd: float = 0.0  # robust sd of the noise's AR(1) innovations (x_t - phi x_(t-1)); 0: no impulse cleaning
+    clip: float = 0.0  # innovations beyond this many innov_sd are impulses (`clean_impulses`); 0: none
 
 
 class ZeroRate(NamedTuple):
@@ -153,6 +155,37 @@ def thinned_phi(phi: float, fill: float) -> float:
     two-part comparison's zeros left out), counted in points: E[phi^gap] over geometric gaps. Points d
     apart correlate as its d-th power, so the kept points are AR(1) with it."""
     return fill * phi / (1 - (1 - fill) * phi) if fill < 1 else phi
+
+
+def clean_impulses(r: np.ndarray, phi: float, innov_sd: float, clip: float) -> np.ndarray:
+    """The residual `r` with the echo of each impulse taken out: AR(1) innovations (r_t - phi r_(t-1))
+    beyond `clip` innovation sd are cut back to it, and what was cut is removed from the steps after as
+    the noise would carry it (phi^k after k steps). So one huge heavy-tailed innovation is one point, as
+    an isolated spike is, and not a 10-20-step geometric excursion that the trailing medians read as a
+    shift: 3 of the 4 no-change 100k-step candidates flagged (phi 0.75, t(3)/t(5)) were such echoes of
+    a 30-70 sd innovation. A lasting shift is kept: its first innovation may be cut, but each later one
+    carries (1 - phi) of it, which rebuilds the level at the noise's own pace (a 5-sd shift at phi 0.85
+    loses ~0.8 sd of it 5 steps on). Causal (each step uses the ones before), so a prefix of a run is
+    cleaned as the whole run is; an innovation next to a missing point is not judged."""
+    if not (clip > 0 and innov_sd > 0 and phi > 0) or len(r) < 2:
+        return r
+    from scipy.signal import lfilter
+
+    # a point with no finite one before it (the run's first, the first after a gap) is judged on its own,
+    # its deviation in the stationary sd (innov_sd / sqrt(1 - phi^2)): a spike there is cut to a point,
+    # not left in to make the next innovation (-phi times it) read as a shock the other way
+    ar = np.sqrt(1.0 - min(phi, 0.99) ** 2)
+    u = np.empty(len(r))
+    u[0] = r[0] * ar
+    with quiet():
+        u[1:] = np.where(np.isfinite(r[:-1]), r[1:] - phi * r[:-1], r[1:] * ar)
+    lim = clip * innov_sd
+    excess = np.where(np.isfinite(u), u - np.clip(u, -lim, lim), 0.0)
+    alone = np.r_[True, ~np.isfinite(r[:-1])]
+    excess[alone] /= ar  # back in the residual's units
+    if not excess.any():
+        return r
+    return r - lfilter([1.0], [1.0, -phi], excess)
 
 
 def points(x: np.ndarray, compress: bool) -> np.ndarray:
@@ -368,6 +401,14 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         # windows count points: where zeros are left out, a window's points are thinned steps
         phi_w = thinned_phi(phi, fill)
         rounding = RESOLUTION * max(1.0, scale_of_level)  # no test's sd is below the metric's rounding
+        # the innovations' robust sd, each seed's points as the level windows see them; the references'
+        # residuals are cleaned of impulses as a candidate's are, so the bars they set are for the same statistic
+        innov = [_mad(x[1:] - phi_w * x[:-1]) for x in (points(resid[:, j], split) for j in range(n)) if len(x) > 2]
+        innov_sd = float(np.nanmedian(innov)) if innov and np.isfinite(innov).any() else 0.0
+        innov_sd = innov_sd if innov_sd > 0 else 0.0
+
+        def clean(x: np.ndarray) -> np.ndarray:
+            return clean_impulses(x, phi_w, innov_sd, config.impulse_clip)
 
         def null_sd_of(m: int, seeds: int) -> float:
             """sd of (a seed's trailing m-median - the centre of `seeds` seeds) under no change: its own noise,
@@ -381,7 +422,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         # cancel, so an abrupt change shows long before its level clears the seed spread.
         change_sd = tuple(max(float(np.sqrt(median_var(phi_w) * sigma**2 * ar_diff_var(q, p, phi_w))),
                               rounding) for q, p in config.change_windows)
-        loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd, split)
+        loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd, split, clean)
         null_sd, thresholds = [], []
         for wi, m in enumerate(config.windows):
             sd = null_sd_of(m, n)
@@ -392,7 +433,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             top = 0.0
             if own_sd > 0:
                 for j in range(n):
-                    tm = _trailing_median(points(resid[:, j], split), m)
+                    tm = _trailing_median(clean(points(resid[:, j], split)), m)
                     if np.isfinite(tm).any():
                         top = max(top, float(np.nanmax(np.abs(tm))) / own_sd)
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
@@ -409,7 +450,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         diff_scale = max(diff_scale, rounding)
         zeros = _zero_rate(raw, config) if split else None
     noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
-                       diff_scale, var_bar, change_bar, fill)
+                       diff_scale, var_bar, change_bar, fill, innov_sd, config.impulse_clip)
     ref_ok = np.isfinite(raw).any(axis=1) if raw.shape[1] else np.zeros(len(steps), bool)
     return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros, q)
 
@@ -535,7 +576,7 @@ def _run_stretches(zero_ind: np.ndarray, zero_rate: np.ndarray, zeros: ZeroRate)
 
 
 def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, change_sd: tuple[float, ...],
-                   compress: bool = False) -> tuple[list[float], list[float]]:
+                   compress: bool = False, clean=lambda x: x) -> tuple[list[float], list[float]]:
     """With 2 or more seeds, each seed is a no-change candidate against the centre of the others: the
     largest |z| each level window and each change test reaches on it, over the whole run (z in the null
     sd of a centre of n-1 seeds). It carries what the noise model leaves out (how far seeds wander apart
@@ -548,7 +589,7 @@ def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, cha
     if n < 2:
         return level, change
     for j in range(n):
-        r = points(vals[:, j] - row_nanmedian(np.delete(smooth, j, axis=1)), compress)
+        r = clean(points(vals[:, j] - row_nanmedian(np.delete(smooth, j, axis=1)), compress))
         lengths = {*config.windows, *(w for pair in config.change_windows for w in pair)}
         med = {m: _trailing_median(r, m) for m in lengths}
         for wi, m in enumerate(config.windows):
@@ -648,7 +689,7 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
     n = len(r)
     full_r = r
     keep = np.flatnonzero(np.isfinite(r)) if noise.fill < 1 else None  # level windows count points
-    r = r[keep] if keep is not None else r
+    r = level_residual(r, noise)
     medians: dict[int, np.ndarray] = {}
 
     def trailing(m: int) -> np.ndarray:  # the change test reuses the level windows' medians
@@ -726,6 +767,13 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
     return sorted(out, key=lambda d: (d.onset, d.alert))
 
 
+def level_residual(r: np.ndarray, noise: NoiseModel) -> np.ndarray:
+    """What the level windows and change tests read: the residual's points (its finite ones alone in the
+    two-part comparison), cleaned of impulse echoes (`clean_impulses`)."""
+    x = r[np.isfinite(r)] if noise.fill < 1 else r
+    return clean_impulses(x, thinned_phi(noise.phi, noise.fill), noise.innov_sd, noise.clip)
+
+
 def detectable_shift(r: np.ndarray, noise: NoiseModel, config) -> float:
     """The smallest lasting shift (compared scale) that some test of `scan` flags, in either direction,
     given where the candidate sits now: a level window (the longest that fills) flags a shift once it
@@ -733,7 +781,8 @@ def detectable_shift(r: np.ndarray, noise: NoiseModel, config) -> float:
     offset more; a change test (one whose two windows fill) needs its bar in its own sd, and the level
     it reports on past half its bar. A candidate 0.9 noise sd above the centre that falls by 3 sd ends
     2.1 sd below it: under the level bar, and for the change test a step the seeds' wander can make."""
-    x = r[np.isfinite(r)]
+    x = level_residual(r, noise)
+    x = x[np.isfinite(x)]
     n = len(x)
     windows = list(config.windows)
 

@@ -83,6 +83,7 @@ class DivergenceConfig:
     var_persist: int = 9  # steps in a row it must be so: clustered spikes lift the scale for a few steps (README)
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
     zero_seed_spread: float = 0.1  # two-part comparison: prior seed-to-seed spread of the zero rate, in sd of one step's 0/1
+    impulse_clip: float = 0.0  # > 0: noise innovations beyond this many (robust) sd are impulses, their echo taken out (off: README)
     min_delta: float = 0.0  # a departure must exceed this, in metric units
     rel_delta: float = 0.0  # ... and this fraction of the reference's level
 
@@ -94,9 +95,9 @@ class DivergenceConfig:
         if self.k <= 0 or self.k_change <= 0 or self.k_change_loo <= 0 or self.detrend_window < 3 or self.var_ratio <= 1 or self.var_window < 5:
             raise ValueError(f"invalid {self}: need k, k_change and k_change_loo > 0, detrend_window >= 3, var_ratio > 1, var_window >= 5")
         if (self.nonfinite_persist < 1 or self.seed_spread < 0 or self.calibration_margin < 1 or self.var_persist < 1
-                or self.zero_seed_spread < 0):
+                or self.zero_seed_spread < 0 or self.impulse_clip < 0):
             raise ValueError(f"invalid {self}: need nonfinite_persist >= 1, seed_spread >= 0, calibration_margin >= 1, "
-                             "var_persist >= 1, zero_seed_spread >= 0")
+                             "var_persist >= 1, zero_seed_spread >= 0, impulse_clip >= 0")
 
     @property
     def min_steps(self) -> int:
