@@ -95,9 +95,11 @@ class DivergenceConfig:
         if self.k <= 0 or self.k_change <= 0 or self.k_change_loo <= 0 or self.detrend_window < 3 or self.var_ratio <= 1 or self.var_window < 5:
             raise ValueError(f"invalid {self}: need k, k_change and k_change_loo > 0, detrend_window >= 3, var_ratio > 1, var_window >= 5")
         if (self.nonfinite_persist < 1 or self.seed_spread < 0 or self.calibration_margin < 1 or self.var_persist < 1
-                or self.zero_seed_spread < 0 or self.impulse_clip < 0):
+                or self.zero_seed_spread < 0):
             raise ValueError(f"invalid {self}: need nonfinite_persist >= 1, seed_spread >= 0, calibration_margin >= 1, "
-                             "var_persist >= 1, zero_seed_spread >= 0, impulse_clip >= 0")
+                             "var_persist >= 1, zero_seed_spread >= 0")
+        if not self.impulse_clip >= 0:
+            raise ValueError(f"impulse_clip={self.impulse_clip}: use 0 (off) or a number of innovation sd > 0, e.g. 10")
 
     @property
     def min_steps(self) -> int:

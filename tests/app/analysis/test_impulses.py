@@ -108,5 +108,7 @@ def test_a_5_sd_shift_is_still_found_soon_after_it_starts_with_impulse_clip():
 def test_impulse_clip_below_0_is_refused_with_the_value():
     import pytest
 
-    with pytest.raises(ValueError, match="impulse_clip >= 0"):
-        DivergenceConfig(impulse_clip=-1.0)
+    with pytest.raises(ValueError, match=r"impulse_clip=-1.0: use 0 \(off\) or .* e.g. 10"):
+        DivergenceConfig.from_options(["impulse_clip=-1"])
+    with pytest.raises(ValueError, match="impulse_clip=nan"):
+        DivergenceConfig(impulse_clip=float("nan"))
