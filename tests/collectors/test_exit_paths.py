@@ -29,6 +29,13 @@ TRAINER = textwrap.dedent("""
     from rldiag.collectors import Monitor
 
     uri, mode = sys.argv[1], sys.argv[2]
+    # as a trainer started from a terminal has them: a suite run as a background job of a non-interactive
+    # shell (`make test &`) hands its children SIGINT ignored, which rldiag rightly leaves alone
+    # ("no-close" checks that for SIGTERM), and Ctrl-C would then test nothing
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if mode == "trainer-handler":  # the trainer's own handler, installed before rldiag's
         def mine(signum, frame):
             print("trainer handler", signum, flush=True)
