@@ -166,7 +166,8 @@ def clean_impulses(r: np.ndarray, phi: float, innov_sd: float, clip: float) -> n
     a 30-70 sd innovation. A lasting shift is kept: its first innovation may be cut, but each later one
     carries (1 - phi) of it, which rebuilds the level at the noise's own pace (a 5-sd shift at phi 0.85
     loses ~0.8 sd of it 5 steps on). Causal (each step uses the ones before), so a prefix of a run is
-    cleaned as the whole run is; an innovation next to a missing point is not judged."""
+    cleaned as the whole run is; a point with no finite one before it is judged alone (below).
+    `DivergenceConfig.impulse_clip`, off by default: what each setting costs is in README."""
     if not (clip > 0 and innov_sd > 0 and phi > 0) or len(r) < 2:
         return r
     from scipy.signal import lfilter
