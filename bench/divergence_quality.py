@@ -254,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     zeros = {None: False, "mixed": True, "often": "often"}[args.zeros]
     t0 = time.perf_counter()
     res = evaluate(per_kind, config, zeros=zeros)
-    _print(res)
-    _print_by_phi(res)
+    if per_kind:  # --per-kind 0: the held-out seeds alone
+        _print(res)
+        _print_by_phi(res)
     held_res = {}
     if held:
         first = max(args.held_out_from, per_kind)
@@ -265,23 +266,25 @@ def main(argv: list[str] | None = None) -> int:
         _print_by_phi(held_res)
     long_run = _long_run(args.long_steps, args.long_n, config, zeros) if args.long_steps else None
     took = time.perf_counter() - t0
-    false, early, missed, med = _totals(res)
-    base_false, base_early, _, _ = _totals(res, "threshold-5sd")
-    base_delays = [x for c in SHIFTS_3SD for x in res[c]["threshold-5sd"]["delays"]]
-    n_null = per_kind * len(CHANGES)
-    summary = [
-        summary_row("divergence (RL-like set): false alarms", f"{false + early} of {n_null} comparisons",
-                    f"5-sd threshold alert: {base_false + base_early}", "-", "0", false + early == 0),
-        summary_row("divergence: misses on shifts >= 3 sd, drift, variance, NaN, inf",
-                    ", ".join(f"{c} {v}/{per_kind}" for c, v in missed.items()), "-", "-", "0",
-                    sum(missed.values()) == 0),
-        summary_row("divergence: time to alert (online), level shifts >= 3 sd", f"median {med} steps",
-                    f"5-sd threshold: median {np.median(base_delays)} with {base_false + base_early} false alarms",
-                    "-", "median <= 5 steps", med is not None and med <= 5),
-    ]
-    summary.append(_said_row(res, f"seeds 0-{per_kind - 1}"))
-    if zeros is True:
-        summary.append(_zeros_row(res, f"seeds 0-{per_kind - 1}"))
+    summary = []
+    if per_kind:  # the seeds 0-39 rows
+        false, early, missed, med = _totals(res)
+        base_false, base_early, _, _ = _totals(res, "threshold-5sd")
+        base_delays = [x for c in SHIFTS_3SD for x in res[c]["threshold-5sd"]["delays"]]
+        n_null = per_kind * len(CHANGES)
+        summary += [
+            summary_row("divergence (RL-like set): false alarms", f"{false + early} of {n_null} comparisons",
+                        f"5-sd threshold alert: {base_false + base_early}", "-", "0", false + early == 0),
+            summary_row("divergence: misses on shifts >= 3 sd, drift, variance, NaN, inf",
+                        ", ".join(f"{c} {v}/{per_kind}" for c, v in missed.items()), "-", "-", "0",
+                        sum(missed.values()) == 0),
+            summary_row("divergence: time to alert (online), level shifts >= 3 sd", f"median {med} steps",
+                        f"5-sd threshold: median {np.median(base_delays)} with {base_false + base_early} false alarms",
+                        "-", "median <= 5 steps", med is not None and med <= 5),
+        ]
+        summary.append(_said_row(res, f"seeds 0-{per_kind - 1}"))
+        if zeros is True:
+            summary.append(_zeros_row(res, f"seeds 0-{per_kind - 1}"))
     if held:
         h_false, h_early, h_missed, h_med = _totals(held_res)
         summary.append(summary_row(
@@ -308,14 +311,16 @@ def main(argv: list[str] | None = None) -> int:
             f"divergence, {args.long_n} no-change candidates of {args.long_steps} steps: flagged",
             f"{long_run['flagged']} of {args.long_n}", "-", "-", "0", long_run["flagged"] == 0))
     # README's figures: the default run, the long one, the two zeros ones; any other run: _options
+    # (the long one's seeds and steps are its own; the others are README's only at the default sizes)
     plain = not args.detector and args.held_out_from == HELD_OUT_FIRST and not args.quick
+    sized = plain and per_kind == ap.get_default("per_kind") and held == 80
     if long_run is not None:
         name = "divergence_quality_long" if plain and not zeros else "divergence_quality_options"
     elif zeros:
-        name = ("divergence_quality_zeros_often" if zeros == "often" else "divergence_quality_zeros") if plain \
+        name = ("divergence_quality_zeros_often" if zeros == "often" else "divergence_quality_zeros") if sized \
             else "divergence_quality_options"
     else:
-        name = "divergence_quality" if plain else "divergence_quality_options"
+        name = "divergence_quality" if sized else "divergence_quality_options"
     write_result(name, {"env": env_info(), "per_kind": per_kind, "held_out_per_kind": held, "quick": args.quick,
                         "seconds": took, "config": repr(config), "scenarios": res, "held_out": held_res,
                         "long_run": long_run, "summary": summary})
