@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml | $(PY)
 $(PY_TRL11):
 	$(PYTHON) -m venv $(VENV_TRL11)
 
-# torch, then TRL 1.1.0 with the transformers pip picks for it (5.24 when written), recorded once: a
+# torch, then TRL 1.1.0 with the transformers pip picks for it (the newest: 5.25 on 2026-12-04), recorded once: a
 # rerun after a failed check compares with the first resolution, not with what the failed install left.
 $(TRL11_BASELINE): | $(PY_TRL11)
 	$(PIP_TRL11) install -q $(TORCH)
