@@ -40,6 +40,7 @@ from rldiag.app.analysis.divergence import DivergenceConfig, detect_divergence
 from rldiag.app.data.trace import Trace
 
 HELD_OUT_FIRST = 40  # the defaults were chosen on seeds 0-39
+HELD_OUT = 80  # held-out seeds per kind by default
 SHIFTS_3SD = ("level3", "level5", "from0")  # the level shifts of 3 sd or more (goal: median time to alert <= 5)
 LEVEL_SHIFTS = ("level2", *SHIFTS_3SD)  # a miss of these is honest only where the verdict says a shift that size would not show
 
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                          "exactly 0 at 20-40%% of its steps (divergence_quality_zeros_often.json)")
     args = ap.parse_args(argv)
     per_kind = 10 if args.quick else args.per_kind
-    held = args.held_out if args.held_out is not None else (10 if args.quick else 80)
+    held = args.held_out if args.held_out is not None else (10 if args.quick else HELD_OUT)
     config = DivergenceConfig.from_options(args.detector)
     zeros = {None: False, "mixed": True, "often": "often"}[args.zeros]
     t0 = time.perf_counter()
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     # README's figures: the default run, the long one, the two zeros ones; any other run: _options
     # (the long one's seeds and steps are its own; the others are README's only at the default sizes)
     plain = not args.detector and args.held_out_from == HELD_OUT_FIRST and not args.quick
-    sized = plain and per_kind == ap.get_default("per_kind") and held == 80
+    sized = plain and per_kind == ap.get_default("per_kind") and held == HELD_OUT
     if long_run is not None:
         name = "divergence_quality_long" if plain and not zeros else "divergence_quality_options"
     elif zeros:
