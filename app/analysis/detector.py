@@ -111,8 +111,7 @@ class NoiseModel(NamedTuple):
     var_bar: float  # candidate scale / diff_scale that is a variance departure (>= var_ratio; self-calibrated)
     change_bar: tuple[float, ...]  # per change_windows pair, in change sd (>= k_change, k_change_loo with 2+ seeds; self-calibrated)
     fill: float = 1.0  # fraction of the references' points in the compared values (< 1: the two-part comparison's zeros left out)
-    innov_sd: float = 0.0  # robust sd of the noise's AR(1) innovations (x_t - phi x_(t-1)); 0: no impulse cleaning
-    clip: float = 0.0  # innovations beyond this many innov_sd are impulses (`clean_impulses`); 0: none
+    innov_sd: float = 0.0  # robust sd of the noise's AR(1) innovations (x_t - phi x_(t-1)); measured only with impulse_clip > 0
 
 
 class ZeroRate(NamedTuple):
@@ -404,9 +403,9 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         rounding = RESOLUTION * max(1.0, scale_of_level)  # no test's sd is below the metric's rounding
         # the innovations' robust sd, each seed's points as the level windows see them; the references'
         # residuals are cleaned of impulses as a candidate's are, so the bars they set are for the same statistic
-        innov = [_mad(x[1:] - phi_w * x[:-1]) for x in (points(resid[:, j], split) for j in range(n)) if len(x) > 2]
-        innov_sd = float(np.nanmedian(innov)) if innov and np.isfinite(innov).any() else 0.0
-        innov_sd = innov_sd if innov_sd > 0 else 0.0
+        innov = [_mad(x[1:] - phi_w * x[:-1]) for x in (points(resid[:, j], split) for j in range(n))
+                 if len(x) > 2] if config.impulse_clip > 0 else []
+        innov_sd = float(np.nanmedian(innov)) if np.isfinite(innov).any() else 0.0
 
         def clean(x: np.ndarray) -> np.ndarray:
             return clean_impulses(x, phi_w, innov_sd, config.impulse_clip)
@@ -451,7 +450,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         diff_scale = max(diff_scale, rounding)
         zeros = _zero_rate(raw, config) if split else None
     noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
-                       diff_scale, var_bar, change_bar, fill, innov_sd, config.impulse_clip)
+                       diff_scale, var_bar, change_bar, fill, innov_sd)
     ref_ok = np.isfinite(raw).any(axis=1) if raw.shape[1] else np.zeros(len(steps), bool)
     return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros, q)
 
@@ -690,7 +689,7 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
     n = len(r)
     full_r = r
     keep = np.flatnonzero(np.isfinite(r)) if noise.fill < 1 else None  # level windows count points
-    r = level_residual(r, noise)
+    r = level_residual(r, noise, config)
     medians: dict[int, np.ndarray] = {}
 
     def trailing(m: int) -> np.ndarray:  # the change test reuses the level windows' medians
@@ -768,11 +767,11 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
     return sorted(out, key=lambda d: (d.onset, d.alert))
 
 
-def level_residual(r: np.ndarray, noise: NoiseModel) -> np.ndarray:
+def level_residual(r: np.ndarray, noise: NoiseModel, config) -> np.ndarray:
     """What the level windows and change tests read: the residual's points (its finite ones alone in the
     two-part comparison), cleaned of impulse echoes (`clean_impulses`)."""
     x = r[np.isfinite(r)] if noise.fill < 1 else r
-    return clean_impulses(x, thinned_phi(noise.phi, noise.fill), noise.innov_sd, noise.clip)
+    return clean_impulses(x, thinned_phi(noise.phi, noise.fill), noise.innov_sd, config.impulse_clip)
 
 
 def detectable_shift(r: np.ndarray, noise: NoiseModel, config) -> float:
@@ -782,7 +781,7 @@ def detectable_shift(r: np.ndarray, noise: NoiseModel, config) -> float:
     offset more; a change test (one whose two windows fill) needs its bar in its own sd, and the level
     it reports on past half its bar. A candidate 0.9 noise sd above the centre that falls by 3 sd ends
     2.1 sd below it: under the level bar, and for the change test a step the seeds' wander can make."""
-    x = level_residual(r, noise)
+    x = level_residual(r, noise, config)
     x = x[np.isfinite(x)]
     n = len(x)
     windows = list(config.windows)

@@ -5,6 +5,7 @@ found soon after it starts."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bench.divergence_data import trace
 from rldiag.app.analysis.detector import clean_impulses
@@ -105,9 +106,7 @@ def test_a_5_sd_shift_is_still_found_soon_after_it_starts_with_impulse_clip():
     assert later.min() >= 0 and later.max() <= 6 and np.median(six) <= 10, six
 
 
-def test_impulse_clip_below_0_is_refused_with_the_value():
-    import pytest
-
+def test_impulse_clip_below_0_or_nan_is_refused_with_the_value():
     with pytest.raises(ValueError, match=r"impulse_clip=-1.0: use 0 \(off\) or .* e.g. 10"):
         DivergenceConfig.from_options(["impulse_clip=-1"])
     with pytest.raises(ValueError, match="impulse_clip=nan"):
