@@ -50,7 +50,7 @@ from rldiag.app.data.trace import Trace
 
 _MAD = 1.4826  # MAD -> standard deviation for normal noise
 # The smallest noise sd a test is scaled by, per unit of the metric's level (or 1, where its level is
-# below 1): float32's unit roundoff. Trainers compute their metrics in float32 or coarser, so a
+# below 1 and it is 0 or changes sign: `reference_model`): float32's unit roundoff. Trainers compute their metrics in float32 or coarser, so a
 # difference under it is rounding. A GRPO loss is a sum of advantages x ratios (order 1) that cancel to
 # about 0: a seed whose groups all had equal rewards logged exactly 0 from step 12 on, another seed kept
 # its rounding noise (-2e-8), and against the first (a floor of 1e-9) the second was a level departure at
@@ -400,7 +400,14 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
         # windows count points: where zeros are left out, a window's points are thinned steps
         phi_w = thinned_phi(phi, fill)
-        rounding = RESOLUTION * max(1.0, scale_of_level)  # no test's sd is below the metric's rounding
+        # no test's sd is below the metric's rounding: float32 rounds a value relative to its own size, so a
+        # metric of one sign that is never 0 (a learning rate of 1e-7, a parity mismatch of 1e-8) is rounded at
+        # its level; one that is 0 or changes sign may be a sum that cancels (a GRPO loss), rounded at its terms'
+        # scale, of order 1 (RESOLUTION). A floor of 3e-7 hid a 1e-7 -> 2e-7 learning rate and a 3x rise of a
+        # metric at 1e-12 ("within the band (a lasting shift under 2.98e-07 would not show)").
+        fin = raw[np.isfinite(raw)]
+        one_signed = not log and fin.size > 0 and bool((fin > 0).all() or (fin < 0).all())
+        rounding = RESOLUTION * (scale_of_level if one_signed else max(1.0, scale_of_level))
         # the innovations' robust sd, each seed's points as the level windows see them; the references'
         # residuals are cleaned of impulses as a candidate's are, so the bars they set are for the same statistic
         innov = [_mad(x[1:] - phi_w * x[:-1]) for x in (points(resid[:, j], split) for j in range(n))
@@ -715,12 +722,18 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
             tests.append((q, zc, change_bar, end_m, q + p, sd))
     out = _stretches(r, tests, level, noise.threshold, config.windows, config.window, "level")
+    # each level stretch's largest |level| over it, in its window's bar (the most over it of any window)
+    with quiet():
+        excess = [max((float(np.nanmax(np.abs(level[m][d.onset:len(r) if d.end is None else d.end + 1]), initial=0.0)) / th
+                       for m, th in zip(config.windows, noise.threshold) if th > 0), default=0.0) for d in out]
     if keep is not None:  # back to the compared steps
         out = [Stretch(d.kind, int(keep[d.onset]), int(keep[d.alert]), None if d.end is None else int(keep[d.end]),
                        d.sign, d.window) for d in out]
     r = full_r
     # Variance: the candidate's own step-to-step noise `var_bar` times the references'. A noisier
-    # candidate also moves its medians: level stretches inside a variance stretch are that, not a shift.
+    # candidate also moves its medians: level stretches inside a variance stretch are that, not a shift,
+    # unless one outlasts it or is beyond its bar by more than the noise grew (a candidate at twice the
+    # references, noise and all, was a variance departure that ended at step 49 and no level shift).
     ref_scale = noise.diff_scale
     if cand_abs_diff is None:
         cand_abs_diff = np.zeros(n)
@@ -740,7 +753,9 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             back = np.flatnonzero((quiet_run[w:] - quiet_run[:-w]) == w) if n - a >= w else np.empty(0, int)
             end = None if not len(back) else a + int(back[0]) - 1
             last = n if end is None else end + config.var_window
-            out = [d for d in out if not (onset - config.var_window <= d.onset <= last)]
+            out = [d for d, ex in zip(out, excess)
+                   if not (onset - config.var_window <= d.onset <= last and ex <= ratio
+                           and not (end is not None and (d.end is None or d.end > last)))]
             out.append(Stretch("variance", onset, a, end, 0, config.var_window))
     if zeros is not None and zero_ind is not None:  # how often it is exactly 0: trailing fractions
         zero_resid = zero_ind - zero_rate

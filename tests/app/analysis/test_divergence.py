@@ -224,3 +224,33 @@ def test_rounding_under_float32_resolution_is_not_a_departure_but_a_shift_above_
     cand[12:] += 1e-6
     apart = detect_divergence([trace(ref, "ref")], trace(cand, "cand"))
     assert apart.status == "diverged" and [d.onset_step for d in apart.departures] == [12]
+
+
+@pytest.mark.parametrize("scale", [1e-12, 1e-7, 1.0, 1e6])
+def test_a_metric_at_any_scale_is_judged_in_its_own_units(scale):
+    # A learning rate of 1e-7, a parity mismatch of 1e-8: float32 rounds a value relative to its size, so
+    # a one-signed metric far under 1 is compared as one near 1 would be (a floor of 3e-7 in metric units
+    # called a 3x rise at 1e-12 and a 1e-7 -> 2e-7 learning rate "within the band").
+    r = [trace(scale * (10 + seed_run(1000 + i, wander=0.0)), f"ref{i}") for i in range(3)]
+    same = detect_divergence(r, trace(scale * (10 + seed_run(1999, wander=0.0))))
+    assert same.status == "within" and same.detectable < 2 * scale, same
+    c = 10 + seed_run(1999, wander=0.0)
+    c[ONSET:] += 3.0
+    d = detect_divergence(r, trace(scale * c))
+    assert d.kind == "level" and ONSET - 2 <= d.onset_step <= ONSET + 5 and d.delta == pytest.approx(3 * scale, rel=0.3)
+    lr = [trace(np.full(T, 1e-7 * scale), f"ref{i}") for i in range(3)]
+    assert detect_divergence(lr, trace(np.full(T, 1e-7 * scale))).departures == ()
+    doubled = detect_divergence(lr, trace(np.full(T, 2e-7 * scale)))
+    assert doubled.kind == "level" and doubled.onset_step == 0 and doubled.end_step is None
+
+
+@pytest.mark.parametrize("factor", [1.5, 2.0, 3.0])
+def test_a_candidate_scaled_up_noise_and_all_is_a_lasting_level_departure(factor):
+    # factor x the references' values (their level and noise with it): the level departure from
+    # step 0 to the end is reported, not dropped as the noisier candidate's own wobble (it was: a variance
+    # departure that ended at step 49 and no level departure, as if the run had come back)
+    r = [trace(10 + seed_run(1000 + i, wander=0.0), f"ref{i}") for i in range(3)]
+    d = detect_divergence(r, trace(factor * (10 + seed_run(1999, wander=0.0))))
+    level = [x for x in d.departures if x.kind == "level"]
+    assert d.onset_step == 0 and len(level) == 1 and level[0].onset_step == 0 and level[0].end_step is None, d.departures
+    assert level[0].delta == pytest.approx((factor - 1) * np.median(r[0].values), rel=0.15)
