@@ -499,6 +499,9 @@ class CandidateSummary:
     likely_overflows: bool = False
     # key -> the references' last step, for metrics it logged past it (not compared there)
     past_references: dict[str, int] = field(default_factory=dict)
+    # key -> the step every point was logged at, for metrics that it or a reference logged with no step
+    # (`Trace.logged_at`): compared in logging order, which is a step only if each was logged once a step
+    by_order: dict[str, int] = field(default_factory=dict)
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -526,7 +529,8 @@ class CandidateSummary:
     def clean(self) -> bool:
         """Within the band on every metric it logged, each on enough steps and to its last step, with
         finite gradients."""
-        return self.status == WITHIN and not self.thin and not self.not_compared and not self.past_references
+        return (self.status == WITHIN and not self.thin and not self.not_compared and not self.past_references
+                and not self.by_order)
 
 
 def last_logged(histories: Histories, run_id: str, keys: Sequence[str]) -> dict[str, int]:
@@ -578,5 +582,19 @@ def summarize(divergences: dict[str, dict[str, Divergence]], histories: Historie
             cand, needed, tuple(b.step for b in bad_steps(histories, cand)), departures,
             tuple(d for _, d in by[WITHIN]), tuple(d for _, d in by[NOT_ENOUGH_STEPS] if d.steps_compared > 0),
             zero + no_ref, no_ref, last_logged(histories, cand, keys),
-            past_references={k: d.references_end_step for k, d in mine if d.steps_after_references}))
+            past_references={k: d.references_end_step for k, d in mine if d.steps_after_references},
+            by_order=logged_by_order(histories, [cand, *reference_ids], logged)))
+    return out
+
+
+def logged_by_order(histories: Histories, run_ids: Sequence[str], keys: Sequence[str]) -> dict[str, int]:
+    """`{key: step}` for those of `keys` that one of `run_ids` logged with every point at that one step
+    (`Trace.logged_at`: its steps are its logging order)."""
+    out = {}
+    for key in keys:
+        for run in run_ids:
+            t = histories.get(run, key)
+            if t is not None and t.logged_at is not None:
+                out[key] = t.logged_at
+                break
     return out

@@ -199,6 +199,7 @@ def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:
     cannot = [s for s in summaries if s not in leaving and s.status in (NOT_ENOUGH_STEPS, NOT_COMPARED)]
     thin = [s for s in summaries if s not in leaving and s not in cannot and (s.thin or s.not_compared)]
     past = [s for s in summaries if s not in leaving and s not in cannot and s.past_references]
+    by_order = [s for s in summaries if s not in cannot and s.by_order]  # logged with no step: logging order
     parts = []
     for s in leaving:
         where = nonfinite_text(s) or f"{s.first.key} from step {s.first.onset_step}"
@@ -213,7 +214,8 @@ def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:
         head = f"**No candidate leaves {band}**" + (f" ({escape_md(missed)})" if missed else "")
     tail = ((f"; **{len(cannot)} of {len(summaries)} cannot tell** (too few steps)" if cannot and len(cannot) < len(summaries)
              else "") + (f"; {len(thin)} with too few steps on some metrics" if thin else "")
-            + (f"; {len(past)} logged past the references' last step (not compared there)" if past else ""))
+            + (f"; {len(past)} logged past the references' last step (not compared there)" if past else "")
+            + (f"; {len(by_order)} compared in logging order (metrics logged with no step)" if by_order else ""))
     return head + (" — " + "; ".join(parts) if parts else "") + tail + ". Each candidate in full below the charts."
 
 

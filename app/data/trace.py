@@ -37,7 +37,9 @@ class Trace:
 
     `key` is the canonical key (see `rldiag.collectors.keys`), `source_key` the key as the run logged it
     (`grad_norm` for a TRL run's `grad/norm`). Where a step was logged more than once (a resumed
-    run), the point with the latest timestamp is kept, as MLflow's own "latest value" does.
+    run), the point with the latest timestamp is kept, as MLflow's own "latest value" does. Where every
+    point was logged at one step (`logged_at`: MLflow's 0 when `log_metric` is given no step), the steps
+    are the points' logging order, 0, 1, 2, ...
     """
 
     run_id: str
@@ -46,6 +48,7 @@ class Trace:
     steps: np.ndarray  # int64
     values: np.ndarray  # float64
     timestamps: np.ndarray  # int64, milliseconds
+    logged_at: int | None = None  # the one step every point was logged at (steps are then the logging order); None: as logged
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -66,17 +69,30 @@ class Trace:
                      self.timestamps[lo:hi])
 
     def as_raw(self) -> RawSeries:
-        return RawSeries(self.steps, self.timestamps, self.values)
+        """The points as the store holds them (at `logged_at`, where that is set)."""
+        steps = self.steps if self.logged_at is None else np.full(len(self.steps), self.logged_at, np.int64)
+        return RawSeries(steps, self.timestamps, self.values)
+
+
+MIN_ORDER_POINTS = 3  # points at one step that make a series logged without steps (two: a step logged twice)
 
 
 def build_trace(run_id: str, key: str, source_key: str, raw: RawSeries, flags: RawSeries | None = None) -> Trace:
     """Sort `raw` by step, keep the latest point per step, and restore infinities (see `rldiag.app.data.nonfinite`).
 
-    `flags` are the rows of the `rldiag/inf/<source_key>` companion, if any.
+    `flags` are the rows of the `rldiag/inf/<source_key>` companion, if any. A series of MIN_ORDER_POINTS or
+    more points all at one step (a loop that called `mlflow.log_metric` with no step: MLflow logs 0) is
+    kept whole, its steps its logging order (by timestamp; points of the same millisecond in the store's
+    row order), `logged_at` that step: keeping the latest point would leave one of them.
     """
     steps = np.asarray(raw.steps, np.int64)
     ts = np.asarray(raw.timestamps, np.int64)
     values = np.asarray(raw.values, np.float64)
+    if len(steps) >= MIN_ORDER_POINTS and (steps == steps[0]).all():
+        order = np.argsort(ts, kind="stable")
+        ts, values = ts[order], values[order]
+        by_order = np.arange(len(ts), dtype=np.int64)
+        return Trace(run_id, key, source_key, by_order, restore_infinities(by_order, ts, values), ts, int(steps[0]))
     if len(steps) > 1 and not (steps[1:] > steps[:-1]).all():  # already in order, one row a step: as logged
         order = np.lexsort((values, ts, steps))  # by step, then timestamp, then value
         steps, ts, values = steps[order], ts[order], values[order]

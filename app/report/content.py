@@ -257,7 +257,9 @@ def nonfinite_text(s: CandidateSummary) -> str | None:
 def metric_note(s: CandidateSummary, key: str) -> str:
     """What a table says beside a metric's status: "no reference logged it", "last logged at step N"."""
     notes = (["no reference logged it"] if key in s.no_reference else []) + (
-        [f"last logged at step {s.last_logged[key]}"] if key in s.last_logged else [])
+        [f"last logged at step {s.last_logged[key]}"] if key in s.last_logged else []) + (
+        [f"logged with no step (every point at step {s.by_order[key]}): steps are the logging order"]
+        if key in s.by_order else [])
     return ", ".join(notes)
 
 
@@ -291,6 +293,13 @@ def evidence_parts(s: CandidateSummary) -> list[str]:
             by_end.setdefault(end, []).append(k)
         parts.append("; ".join(f"compared only to step {end} on {', '.join(keys)} (the references end there; "
                                "later steps not compared)" for end, keys in sorted(by_end.items())))
+    if s.by_order:
+        by_step: dict[int, list[str]] = {}
+        for k, step in s.by_order.items():
+            by_step.setdefault(step, []).append(k)
+        parts.append("; ".join(f"{', '.join(keys)} logged with no step (every point at step {step}): compared "
+                               "in logging order, point i as step i (log with step= to compare by step)"
+                               for step, keys in sorted(by_step.items())))
     listed = {d.key for d in s.thin} | set(s.not_compared)
     stopped = [f"{k} last logged at step {step}" for k, step in s.last_logged.items() if k not in listed]
     if stopped:

@@ -74,3 +74,30 @@ def test_no_departure_says_what_it_could_have_missed_and_too_few_steps_cannot_te
     # the seed's own line below the charts (the report's words, rldiag.app.report.content) says it too
     [lines] = [unescape_md(m.value) for m in at.markdown if m.value.startswith("- **")]
     assert f"- **seed**: stays within the reference band on 2 metrics compared ({missed})" in lines, lines
+
+
+def test_a_run_logged_with_no_step_is_compared_in_logging_order_and_the_page_says_so(store_uri, monkeypatch):
+    # `mlflow.log_metrics({...})` with no step: every point at step 0. The page compared nothing; it
+    # compares the points in logging order, says so above the charts and in the run's line, and shows no
+    # all-clear banner (logging order is a step only if each point was logged once a step)
+    from mlflow import MlflowClient
+
+    from tests.app.conftest import T0_MS, log_raw
+
+    ref = _run(store_uri, "ref", "reference", 0, 200)
+    client = MlflowClient(store_uri)
+    nostep = client.create_run(client.get_experiment_by_name("verdicts").experiment_id, run_name="nostep",
+                               tags={keys.TAG_GROUP: "g", keys.TAG_ROLE: "candidate"}).info.run_id
+    rng = np.random.default_rng(1)
+    log_raw(store_uri, nostep, [(k, float(v), T0_MS + 10 * i, 0) for i in range(200)
+                                for k, v in ((keys.LOSS, 1.0 + 0.05 * rng.standard_normal()),
+                                             (keys.REWARD_MEAN, 0.5 + 0.1 * rng.standard_normal()))])
+    client.set_terminated(nostep)
+    at = app(store_uri, monkeypatch, "compare")
+    _pick(at, ref, [nostep])
+    glance = _glance(at)
+    assert glance.startswith("No candidate leaves the reference") and "1 compared in logging order" in glance, glance
+    assert not at.success
+    [lines] = [unescape_md(m.value) for m in at.markdown if m.value.startswith("- **")]
+    assert "stays within the reference band on 2 metrics compared" in lines
+    assert "logged with no step (every point at step 0): compared in logging order" in lines, lines

@@ -329,3 +329,28 @@ def test_trl_grpo_report_to_mlflow_shows_canonical_keys(store_uri, tmp_path):
         assert t.source_key == trl_name
         assert t.steps.tolist() == [entry["step"] for entry in logs]
         np.testing.assert_allclose(t.values, [entry[trl_name] for entry in logs], rtol=1e-6)
+
+
+def test_a_run_logged_with_no_step_is_kept_whole_in_logging_order(store_uri, sql_reader):
+    # `mlflow.log_metric("loss", v)` in a loop with no step: MLflow logs every point at step 0. Keeping the
+    # latest point per step left 1 of 40 (the report said "not compared (0 steps)"); the points are kept
+    # whole, in logging order, their steps 0, 1, 2, ... and `logged_at` the step they were logged at.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store_uri)
+    rid = client.create_run(client.create_experiment("nostep")).info.run_id
+    values = np.linspace(2.0, 1.0, 40)
+    log_raw(store_uri, rid, [(keys.LOSS, float(v), T0_MS + 10 * i, 0) for i, v in enumerate(values)][::-1])  # rows in any order
+    h = load_histories(open_store(store_uri), [rid])
+    t = h.get(rid, keys.LOSS)
+    assert t.logged_at == 0 and t.steps.tolist() == list(range(40))
+    np.testing.assert_array_equal(t.values, values)  # by timestamp, not by row
+    log_raw(store_uri, rid, [(keys.LOSS, 0.5, T0_MS + 1000 + i, 0) for i in range(5)])
+    again = load_histories(open_store(store_uri), [rid], previous=h)
+    assert again.fetched == 5 and again.get(rid, keys.LOSS).steps.tolist() == list(range(45))
+    _assert_same(again, load_histories(open_store(store_uri), [rid]))
+    # a step logged twice (a resumed run) is still one point, the latest: not a run with no steps
+    two = client.create_run(client.get_experiment_by_name("nostep").experiment_id).info.run_id
+    log_raw(store_uri, two, [(keys.LOSS, 1.0, T0_MS, 3), (keys.LOSS, 2.0, T0_MS + 5, 3)])
+    t2 = load_histories(open_store(store_uri), [two]).get(two, keys.LOSS)
+    assert t2.logged_at is None and t2.steps.tolist() == [3] and t2.values.tolist() == [2.0]

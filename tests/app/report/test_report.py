@@ -22,7 +22,7 @@ from rldiag.app.data.store import open_store
 from rldiag.app.plots.figures import NAN_SUFFIX, POSINF_SUFFIX, trace_names
 from rldiag.app.report.build import build_report, render_report
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
+from tests.app.conftest import T0_MS, log_raw, write_run
 
 STEPS = 200
 SHIFT_AT, SHIFT = 120, 0.08
@@ -315,3 +315,33 @@ def test_steps_whose_gradients_were_not_found_are_unknown_not_clean(store_uri, t
     for text in (rep.markdown, rep.html):
         assert "Gradients not checked (no gradient found, so unknown, not finite): zero3 at steps 0-19" in text
         assert "No step with a non-finite gradient in any run" not in text
+
+
+def test_runs_logged_with_no_step_are_compared_in_logging_order_and_the_report_says_so(store_uri):
+    # A plain loop's `mlflow.log_metrics({...})` with no step (MLflow logs step 0): the report compared
+    # nothing ("not compared (0 steps)"); it compares them point by point in logging order and says so
+    from mlflow import MlflowClient
+
+    from rldiag.app.report.build import departure_lines
+
+    client = MlflowClient(store_uri)
+    exp = client.create_experiment("nostep")
+    rng = np.random.default_rng(0)
+    ids = {}
+    for name, offset in (("ref", 0.0), ("cand", 1.0)):
+        ids[name] = client.create_run(exp, run_name=name).info.run_id
+        log_raw(store_uri, ids[name], [(k, float(v), T0_MS + 10 * i, 0) for i in range(60)
+                                       for k, v in ((K.LOSS, 1 + offset + 0.1 * rng.standard_normal()),
+                                                    (K.REWARD_MEAN, 0.5 + 0.1 * rng.standard_normal()))])
+    report = build_report(store_uri, reference=ids["ref"], candidates=ids["cand"])
+    (s,) = report.content.summaries
+    assert s.by_order == {K.LOSS: 0, K.REWARD_MEAN: 0} and not s.clean
+    assert [d.key for d in s.departures] == [K.LOSS] and s.first.onset_step == 0
+    assert [d.steps_compared for d in s.within] == [60]
+    line = departure_lines(report)[0]  # its headline (its likely cause under it)
+    assert "loss leaves the reference band at step 0" in line
+    assert "logged with no step (every point at step 0): compared in logging order" in line, line
+    assert "logged with no step (every point at step 0): compared in logging order" in report.markdown
+    from rldiag.app.dashboard.compare import summary_line  # the dashboard's Compare page, the same words
+
+    assert "logged with no step (every point at step 0): compared in logging order" in summary_line(s, "cand").replace("\\", "")  # Markdown-escaped
