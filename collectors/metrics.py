@@ -76,8 +76,19 @@ def _log_ratio(lp_new: Tensor, lp_old: Tensor, m: Tensor) -> Tensor:
     return torch.where(m, lp_new.float() - lp_old.float(), zero)
 
 
-def _prepared(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """`(mask, log ratio, ratio)`, computed once and shared by the ratio-based metrics."""
+def _prepared(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None, *, rows: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """`(mask, log ratio, ratio)`, computed once and shared by the ratio-based metrics. `rows`: the caller
+    needs a row per sequence (`[B, T]`: the sequence-level metrics)."""
+    if lp_new.shape != lp_old.shape:
+        raise ValueError(
+            f"lp_new has shape {tuple(lp_new.shape)} but lp_old has shape {tuple(lp_old.shape)}; pass the "
+            "trainer's and the engine's logprobs of the same completion tokens, both [B, T] (padded, with a mask)"
+        )
+    if rows and lp_new.dim() < 2:
+        raise ValueError(
+            f"logprobs of shape {tuple(lp_new.shape)}: the sequence-level metrics need [B, T], one row per "
+            "completion; one sequence: lp.unsqueeze(0); packed sequences: unpack them to [B, T] with a mask"
+        )
     m = _valid(mask, lp_new)
     lr = _log_ratio(lp_new, lp_old, m)
     return m, lr, lr.exp()
@@ -101,6 +112,11 @@ def clip_rate(
 
 
 def _active(r: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    if tuple(advantages.shape) not in (tuple(r.shape), tuple(r.shape[:1]), (*r.shape[:1], 1)):
+        raise ValueError(
+            f"advantages have shape {tuple(advantages.shape)} but the logprobs {tuple(r.shape)}; pass one per "
+            f"sequence ({tuple(r.shape[:1])}) or one per token ({tuple(r.shape)})"
+        )
     adv = advantages if advantages.dim() == r.dim() else advantages.reshape(*advantages.shape, *[1] * (r.dim() - advantages.dim()))
     return ((adv > 0) & (r > 1 + eps_high)) | ((adv < 0) & (r < 1 - eps_low))
 
@@ -141,7 +157,7 @@ def sequence_clip_rate(
     lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None, *, eps_low: float = 0.2, eps_high: float = 0.2
 ) -> Tensor:
     """Fraction of sequences (with at least one valid token) whose GSPO sequence ratio is outside the band."""
-    m, lr, _ = _prepared(lp_new, lp_old, mask)
+    m, lr, _ = _prepared(lp_new, lp_old, mask, rows=True)
     return masked_mean(_outside(_sequence_ratio(lr, m), eps_low, eps_high), m.any(-1))
 
 
@@ -349,7 +365,7 @@ def policy_metrics(
     is `lp_new` itself. With it, the step's worst token (`mismatch/worst/*`: sample, position, both
     logprobs, and the token id when `token_ids` `[B, T]` are given) rides in the same transfer.
     """
-    m, lr, r = _prepared(lp_new, lp_old, mask)  # once, for every ratio-based metric
+    m, lr, r = _prepared(lp_new, lp_old, mask, rows=True)  # once, for every ratio-based metric
     count = m.sum()
     seq_valid = m.any(-1)
     # Every token-level mean in one masked sum and every max in one masked max: the few dozen tiny ops
@@ -360,8 +376,12 @@ def policy_metrics(
     if advantages is not None:
         means[keys.CLIP_ACTIVE_RATE] = _active(r, advantages.to(r.device), eps_low, eps_high).float()
     if logits is not None:
+        if tuple(logits.shape[:-1]) != tuple(lp_new.shape):
+            raise ValueError(
+                f"logits have shape {tuple(logits.shape)} but the logprobs {tuple(lp_new.shape)}; pass the logits "
+                f"that scored the completion tokens, [{', '.join(map(str, lp_new.shape))}, vocab]"
+            )
         h = token_entropy(logits)
-        _valid(m, h)  # logits for other positions than the logprobs': the error names both shapes
         means[keys.ENTROPY] = h
     mm = _mismatch_terms(lp_trainer_at_rollout, lp_old, m) if lp_trainer_at_rollout is not None else None
     if mm is not None:

@@ -615,3 +615,20 @@ def test_trl_verl_and_openrlhf_clip_names_alias_the_active_rate_not_the_band_rat
         assert keys.canonical_key(name) == keys.CLIP_ACTIVE_RATE
     assert keys.canonical_key("clamp_log_ratio_new_old_indicator") == keys.CLIP_RATE  # PipelineRL: every token
     assert "clip_ratio/region_mean" in keys.ALIAS_NOTES  # GSPO's sequence level is said
+
+
+def test_inputs_of_the_wrong_shape_get_an_error_that_names_them_and_the_fix():
+    # torch's own messages ("Dimension out of range", "The size of tensor a (5) must match ...") said
+    # neither which argument nor what to pass
+    lp = torch.zeros(3, 5)
+    with pytest.raises(ValueError, match=r"lp_new has shape \(3, 5\) but lp_old has shape \(3, 4\); .*same completion tokens"):
+        policy_metrics(lp, torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"logprobs of shape \(5,\): .*\[B, T\].*lp.unsqueeze\(0\)"):
+        policy_metrics(lp[0], lp[0])  # a flat token list (one sequence, or packed ones)
+    assert float(clip_rate(lp[0], lp[0])) == 0.0  # a token-level metric alone takes any shape
+    with pytest.raises(ValueError, match=r"advantages have shape \(4,\) but the logprobs \(3, 5\); .*\(3,\).*\(3, 5\)"):
+        policy_metrics(lp, lp, advantages=torch.ones(4))
+    for adv in (torch.ones(3), torch.ones(3, 1), torch.ones(3, 5)):  # per sequence, broadcast, per token
+        assert float(policy_metrics(lp, lp, advantages=adv)[keys.CLIP_ACTIVE_RATE]) == 0.0
+    with pytest.raises(ValueError, match=r"logits have shape \(3, 6, 11\) but the logprobs \(3, 5\); .*\[3, 5, vocab\]"):
+        policy_metrics(lp, lp, logits=torch.zeros(3, 6, 11))
