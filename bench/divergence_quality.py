@@ -84,8 +84,14 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
     for change in tqdm(CHANGES, desc="change kinds", unit="kind"):
         res = {"rldiag": [], "threshold-3sd": [], "threshold-5sd": []}
         said: list[bool] = []
+        which: list[dict] = []  # no-change kinds: the draws that fired, and on what
         for s in make_set(per_kind, (change,), first_seed, zeros):
             d = detect_divergence(list(s.references), s.candidate, config)
+            if change in NO_CHANGE and d.diverged:
+                f = d.first
+                which.append({"seed": s.seed, "phi": s.phi, "dof": s.dof, "n_refs": s.n_refs, "kind": f.kind,
+                              "onset_step": f.onset_step, "alert_step": f.alert_step, "end_step": f.end_step,
+                              "sigma": round(float(f.delta_sigma), 2)})
             first_alert = d.alert_step
             if d.diverged and s.onset is not None and first_alert is not None and first_alert >= s.onset:
                 first_alert = online_alert(s, config, first_alert)
@@ -100,7 +106,7 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
             fired = [(a, o, s) for a, o, s in found if a is not None]
             if change in NO_CHANGE:
                 out[det] = {"n": len(found), "fired": len(fired), "false_alarms": len(fired),
-                            **({"wrong_by_zeros": _by_zeros(found)} if det == "rldiag" else {})}
+                            **({"wrong_by_zeros": _by_zeros(found), "which": which} if det == "rldiag" else {})}
                 continue
             early = [x for x in fired if x[0] < x[2].onset]
             hit = [x for x in fired if x[0] >= x[2].onset]
@@ -188,6 +194,15 @@ def _said_row(res: dict, label: str) -> dict:
                        ", ".join(parts) or "no miss", "-", "-", "every miss", said == total)
 
 
+def _print_fired(res: dict) -> None:
+    """The no-change draws that fired (one draw is shared by the no-change kinds: counted once per kind)."""
+    for change in NO_CHANGE:
+        for w in res[change]["rldiag"]["which"]:
+            end = "the end" if w["end_step"] is None else f"step {w['end_step']}"
+            print(f"false alarm: {change} seed {w['seed']} (phi {w['phi']}, t dof {w['dof']}, {w['n_refs']} refs): "
+                  f"{w['kind']} from step {w['onset_step']} to {end}, alerted at {w['alert_step']}, {w['sigma']:+} sd")
+
+
 def _print_by_phi(res: dict, change: str = "level3") -> None:
     """Time to alert of one change kind by the noise's AR(1) phi (rldiag): median, range, missed / n."""
     by = res.get(change, {}).get("rldiag", {}).get("time_to_alert_by_phi", {})
@@ -257,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     res = evaluate(per_kind, config, zeros=zeros)
     if per_kind:  # --per-kind 0: the held-out seeds alone
         _print(res)
+        _print_fired(res)
         _print_by_phi(res)
     held_res = {}
     if held:
@@ -264,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nheld-out seeds {first}-{first + held - 1}:")
         held_res = evaluate(held, config, first, zeros)
         _print(held_res)
+        _print_fired(held_res)
         _print_by_phi(held_res)
     long_run = _long_run(args.long_steps, args.long_n, config, zeros) if args.long_steps else None
     took = time.perf_counter() - t0

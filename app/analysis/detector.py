@@ -722,10 +722,16 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
             tests.append((q, zc, change_bar, end_m, q + p, sd))
     out = _stretches(r, tests, level, noise.threshold, config.windows, config.window, "level")
-    # each level stretch's largest |level| over it, in its window's bar (the most over it of any window)
-    with quiet():
-        excess = [max((float(np.nanmax(np.abs(level[m][d.onset:len(r) if d.end is None else d.end + 1]), initial=0.0)) / th
-                       for m, th in zip(config.windows, noise.threshold) if th > 0), default=0.0) for d in out]
+    in_points, n_points = out, len(r)  # the stretches as the level windows index them
+
+    def excess(i: int) -> float:
+        """Level stretch i's largest |level| over it in its window's bar (the most of any window)."""
+        d = in_points[i]
+        span = slice(d.onset, n_points if d.end is None else d.end + 1)
+        with quiet():
+            return max((float(np.nanmax(np.abs(level[m][span]), initial=0.0)) / th
+                        for m, th in zip(config.windows, noise.threshold) if th > 0), default=0.0)
+
     if keep is not None:  # back to the compared steps
         out = [Stretch(d.kind, int(keep[d.onset]), int(keep[d.alert]), None if d.end is None else int(keep[d.end]),
                        d.sign, d.window) for d in out]
@@ -753,9 +759,13 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             back = np.flatnonzero((quiet_run[w:] - quiet_run[:-w]) == w) if n - a >= w else np.empty(0, int)
             end = None if not len(back) else a + int(back[0]) - 1
             last = n if end is None else end + config.var_window
-            out = [d for d, ex in zip(out, excess)
-                   if not (onset - config.var_window <= d.onset <= last and ex <= ratio
-                           and not (end is not None and (d.end is None or d.end > last)))]
+
+            def noise_made(i: int, d: Stretch) -> bool:  # inside the noisier stretch, ends in it, no bigger than its noise
+                inside = onset - config.var_window <= d.onset <= last
+                outlasts = end is not None and (d.end is None or d.end > last)
+                return inside and not outlasts and excess(i) <= ratio
+
+            out = [d for i, d in enumerate(out) if not noise_made(i, d)]
             out.append(Stretch("variance", onset, a, end, 0, config.var_window))
     if zeros is not None and zero_ind is not None:  # how often it is exactly 0: trailing fractions
         zero_resid = zero_ind - zero_rate

@@ -66,7 +66,7 @@ class Trace:
         lo = 0 if first is None else int(np.searchsorted(self.steps, first, "left"))
         hi = len(self.steps) if last is None else int(np.searchsorted(self.steps, last, "right"))
         return Trace(self.run_id, self.key, self.source_key, self.steps[lo:hi], self.values[lo:hi],
-                     self.timestamps[lo:hi])
+                     self.timestamps[lo:hi], self.logged_at)
 
     def as_raw(self) -> RawSeries:
         """The points as the store holds them (at `logged_at`, where that is set)."""
@@ -91,7 +91,7 @@ def build_trace(run_id: str, key: str, source_key: str, raw: RawSeries, flags: R
     if len(steps) >= MIN_ORDER_POINTS and (steps == steps[0]).all():
         order = np.argsort(ts, kind="stable")
         ts, values = ts[order], values[order]
-        by_order = np.arange(len(ts), dtype=np.int64)
+        by_order = np.arange(len(ts), dtype=np.int64)  # no inf flags: rldiag's writer always logs a step
         return Trace(run_id, key, source_key, by_order, restore_infinities(by_order, ts, values), ts, int(steps[0]))
     if len(steps) > 1 and not (steps[1:] > steps[:-1]).all():  # already in order, one row a step: as logged
         order = np.lexsort((values, ts, steps))  # by step, then timestamp, then value

@@ -268,6 +268,14 @@ def _named(s: CandidateSummary, key: str) -> str:
     return f"{key} ({note})" if note else key
 
 
+def _by_step(steps: dict[str, int]) -> list[tuple[int, list[str]]]:
+    """`{key: step}` as `[(step, [keys])]`, steps ascending."""
+    out: dict[int, list[str]] = {}
+    for k, step in steps.items():
+        out.setdefault(step, []).append(k)
+    return sorted(out.items())
+
+
 def evidence_parts(s: CandidateSummary) -> list[str]:
     """How much the comparison of `s` rests on, in words: the metrics compared on enough steps without
     a departure (only when it left no band: the departure says more), those with not enough steps,
@@ -288,18 +296,12 @@ def evidence_parts(s: CandidateSummary) -> list[str]:
     if s.not_compared:
         parts.append("not compared: " + ", ".join(_named(s, k) for k in s.not_compared))
     if s.past_references:
-        by_end: dict[int, list[str]] = {}
-        for k, end in s.past_references.items():
-            by_end.setdefault(end, []).append(k)
         parts.append("; ".join(f"compared only to step {end} on {', '.join(keys)} (the references end there; "
-                               "later steps not compared)" for end, keys in sorted(by_end.items())))
+                               "later steps not compared)" for end, keys in _by_step(s.past_references)))
     if s.by_order:
-        by_step: dict[int, list[str]] = {}
-        for k, step in s.by_order.items():
-            by_step.setdefault(step, []).append(k)
         parts.append("; ".join(f"{', '.join(keys)} logged with no step (every point at step {step}): compared "
                                "in logging order, point i as step i (log with step= to compare by step)"
-                               for step, keys in sorted(by_step.items())))
+                               for step, keys in _by_step(s.by_order)))
     listed = {d.key for d in s.thin} | set(s.not_compared)
     stopped = [f"{k} last logged at step {step}" for k, step in s.last_logged.items() if k not in listed]
     if stopped:
