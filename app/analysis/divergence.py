@@ -502,6 +502,9 @@ class CandidateSummary:
     # key -> the step every point was logged at, for metrics that it or a reference logged with no step
     # (`Trace.logged_at`): compared in logging order, which is a step only if each was logged once a step
     by_order: dict[str, int] = field(default_factory=dict)
+    # steps where it logged batch/valid_tokens 0 (`nan_events.empty_steps`): every token masked, its policy
+    # metrics there an empty batch's placeholders (ratio 1, KL 0), which read as a perfect step
+    empty_steps: tuple[int, ...] = ()
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -530,7 +533,7 @@ class CandidateSummary:
         """Within the band on every metric it logged, each on enough steps and to its last step, with
         finite gradients."""
         return (self.status == WITHIN and not self.thin and not self.not_compared and not self.past_references
-                and not self.by_order)
+                and not self.by_order and not self.empty_steps)
 
 
 def last_logged(histories: Histories, run_id: str, keys: Sequence[str]) -> dict[str, int]:
@@ -559,11 +562,12 @@ def summarize(divergences: dict[str, dict[str, Divergence]], histories: Historie
               candidate_ids: Sequence[str], keys: Sequence[str] | None = None,
               config: DivergenceConfig = DivergenceConfig()) -> list[CandidateSummary]:
     """Per candidate (in order), `compare_runs`' result for it as a `CandidateSummary`, with its
-    non-finite gradient steps from `histories` (load grad/norm and grad/finite). `keys`: the metrics
+    non-finite gradient steps from `histories` (load grad/norm and grad/finite) and its steps of no valid
+    tokens (load batch/valid_tokens). `keys`: the metrics
     asked for (default: every metric the histories hold); those a candidate did not log are left out,
     those it logged that no reference did are "not compared". `config`: as compare_runs ran, where no
     divergence says it."""
-    from rldiag.app.analysis.nan_events import bad_steps
+    from rldiag.app.analysis.nan_events import bad_steps, empty_steps
 
     keys = list(dict.fromkeys(keys)) if keys is not None else list(histories.keys)
     found = [d for by_cand in divergences.values() for d in by_cand.values()]
@@ -583,7 +587,8 @@ def summarize(divergences: dict[str, dict[str, Divergence]], histories: Historie
             tuple(d for _, d in by[WITHIN]), tuple(d for _, d in by[NOT_ENOUGH_STEPS] if d.steps_compared > 0),
             zero + no_ref, no_ref, last_logged(histories, cand, keys),
             past_references={k: d.references_end_step for k, d in mine if d.steps_after_references},
-            by_order=logged_by_order(histories, [cand, *reference_ids], logged)))
+            by_order=logged_by_order(histories, [cand, *reference_ids], logged),
+            empty_steps=tuple(empty_steps(histories, cand))))
     return out
 
 

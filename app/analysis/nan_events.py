@@ -59,6 +59,14 @@ def bad_steps(h: Histories, run_id: str) -> list[BadStep]:
     return out
 
 
+def empty_steps(h: Histories, run_id: str) -> list[int]:
+    """Steps where `run_id` logged `batch/valid_tokens` = 0: every completion token masked (a truncation
+    or masking bug), so its policy metrics there are an empty batch's placeholders (ratio 1, KL 0, clip
+    rate 0: `collectors.metrics`), not measurements, and would read as a perfect step."""
+    t = h.get(run_id, keys.BATCH_TOKENS)
+    return [] if t is None else t.steps[t.values == 0.0].tolist()
+
+
 def unchecked_steps(h: Histories, run_id: str) -> list[int]:
     """Steps where rldiag's collectors found no gradient to check (`grad/found` = 0: DeepSpeed ZeRO's own
     buffers, a call after zero_grad): unknown, so never counted as finite."""

@@ -33,9 +33,10 @@ from rldiag.app.dashboard.selection import (
 )
 from rldiag.app.dashboard.worst_tokens import render_section as worst_token_section
 from rldiag.app.data.runs import runs_with_metrics
+from rldiag.app.data.steps import format_ranges
 from rldiag.app.plots.decimate import DEFAULT_POINTS
 from rldiag.app.plots.figures import ChartOptions, run_colors, run_order
-from rldiag.app.report.content import evidence_parts, nonfinite_text
+from rldiag.app.report.content import empty_text, evidence_parts, nonfinite_text, reference_empty_text
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
 CHART_POINTS = 1200  # line points per run and chart: each bucket's min and max for a half-width chart
@@ -90,7 +91,7 @@ def _warn_unusable(sel: Selection) -> list[str]:
 def summary_line(s: CandidateSummary, label: str) -> str:
     """The page's line for one candidate (Markdown): non-finite gradients first, then where it leaves
     the reference first, then how much the comparison rests on (the report's words)."""
-    parts = [escape_md(t) for t in [nonfinite_text(s)] if t]
+    parts = [escape_md(t) for t in [nonfinite_text(s), empty_text(s)] if t]
     first = s.first
     if first is not None:
         how = str(first.kind)
@@ -168,6 +169,8 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if note := reference_note(len(refs), DivergenceConfig.from_env()):
             st.caption(note)
+        if note := reference_empty_text(h, refs, sel.labels):
+            st.warning(note, icon=":material/warning:")
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
             missed = detectable_text([d for s in summaries for d in s.within])  # what "within" could miss
             st.success(f"No candidate leaves {band} on the metrics shown{f' ({missed})' if missed else ''}.",
@@ -204,6 +207,10 @@ def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:
     for s in leaving:
         where = nonfinite_text(s) or f"{s.first.key} from step {s.first.onset_step}"
         parts.append(f"**{escape_md(labels[s.run_id])}**: {escape_md(where)}")
+    # every token masked at some steps: whatever the bands say, those steps measured nothing
+    empty = [f"**{escape_md(labels[s.run_id])}**: no valid tokens at step{'s' if len(s.empty_steps) > 1 else ''} "
+             f"{format_ranges(s.empty_steps, limit=4)}"
+             for s in summaries if s.empty_steps]
     missed = detectable_text([d for s in summaries if s not in leaving for d in s.within])
     if leaving:
         head = f"**{len(leaving)} of {len(summaries)} candidates leave {band}**"
@@ -215,7 +222,8 @@ def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:
     tail = ((f"; **{len(cannot)} of {len(summaries)} cannot tell** (too few steps)" if cannot and len(cannot) < len(summaries)
              else "") + (f"; {len(thin)} with too few steps on some metrics" if thin else "")
             + (f"; {len(past)} logged past the references' last step (not compared there)" if past else "")
-            + (f"; {len(by_order)} compared in logging order (metrics logged with no step)" if by_order else ""))
+            + (f"; {len(by_order)} compared in logging order (metrics logged with no step)" if by_order else "")
+            + ("; " + "; ".join(empty) if empty else ""))
     return head + (" — " + "; ".join(parts) if parts else "") + tail + ". Each candidate in full below the charts."
 
 

@@ -32,10 +32,11 @@ from rldiag.app.analysis.divergence import (
     summarize,
     zero_rate_text,
 )
-from rldiag.app.analysis.nan_events import nan_events, unchecked_steps
+from rldiag.app.analysis.nan_events import empty_steps, nan_events, unchecked_steps
 from rldiag.app.analysis.step_events import with_overflow_hints
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, nonfinite_table
+from rldiag.app.data.steps import format_ranges
 from rldiag.app.data.store import Store
 from rldiag.app.plots.figures import ChartOptions, metric_figure, run_colors, run_order
 from rldiag.collectors import keys as K
@@ -160,7 +161,8 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
                          tuple(keys), divergence, events, nonfinite, diff, figures, summaries, causes,
                          {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories,
                          alerts=alerts, params={r: c.params for r, c in configs.items()},
-                         reference_note=reference_note(len(refs), divergence_config))
+                         reference_note=" ".join(t for t in [reference_note(len(refs), divergence_config),
+                                                             reference_empty_text(histories, refs, labels)] if t))
 
 
 def _color_order(store: Store, runs: list) -> list[str]:
@@ -254,6 +256,27 @@ def nonfinite_text(s: CandidateSummary) -> str | None:
     return f"non-finite gradients from step {s.nonfinite_steps[0]} ({_plural(len(s.nonfinite_steps), 'step')}{hint})"
 
 
+def empty_text(s: CandidateSummary) -> str | None:
+    """ "no valid tokens at steps 3, 7 (2 steps): ...", or None where every step had some."""
+    if not s.empty_steps:
+        return None
+    return (f"no valid tokens at step{'s' if len(s.empty_steps) > 1 else ''} {format_ranges(s.empty_steps, limit=8)} "
+            f"({_plural(len(s.empty_steps), 'step')} with every completion token masked: the policy metrics there "
+            "are an empty batch's ratio 1, KL 0, clip rate 0, not measurements; check the completion mask)")
+
+
+def reference_empty_text(histories: Histories, reference_ids: Sequence[str], labels: dict[str, str]) -> str:
+    """What the band rests on where a reference logged no valid tokens ("" where none did): its policy
+    metrics there are an empty batch's placeholders, and they enter the band as if measured."""
+    parts = [f"{labels.get(r, r)} at step{'s' if len(e) > 1 else ''} {format_ranges(e, limit=8)}"
+             for r in reference_ids if (e := empty_steps(histories, r))]
+    if not parts:
+        return ""
+    return ("No valid tokens (batch/valid_tokens 0) in reference " + "; ".join(parts) + ": every completion token "
+            "masked, so its policy metrics there are an empty batch's ratio 1, KL 0, clip rate 0, not measurements, "
+            "and they are in the band; check the reference's completion mask.")
+
+
 def metric_note(s: CandidateSummary, key: str) -> str:
     """What a table says beside a metric's status: "no reference logged it", "last logged at step N"."""
     notes = (["no reference logged it"] if key in s.no_reference else []) + (
@@ -312,9 +335,10 @@ def evidence_parts(s: CandidateSummary) -> list[str]:
 
 
 def headline(s: CandidateSummary, label: str) -> str:
-    """One plain-text line per candidate: non-finite gradients first, then its first departure, then
-    how much the comparison rests on; never "within the band" on too few steps or with NaN gradients."""
-    parts = [p for p in [nonfinite_text(s)] if p]
+    """One plain-text line per candidate: non-finite gradients first, then steps with no valid tokens,
+    then its first departure, then how much the comparison rests on; never "within the band" on too few
+    steps or with NaN gradients."""
+    parts = [p for p in [nonfinite_text(s), empty_text(s)] if p]
     if s.first is not None:
         more = f" (first of {len(s.departures)} metrics it leaves)" if len(s.departures) > 1 else ""
         parts.append(departure_text(_row(s.first)) + more)

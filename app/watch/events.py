@@ -114,6 +114,27 @@ class OverflowNote(StepEvent):
 
 
 @dataclass
+class EmptyBatchNote(StepEvent):
+    """Steps of a run new since the last poll that logged `batch/valid_tokens` 0 (kind "no_valid_tokens"):
+    every completion token masked, so the policy metrics there are an empty batch's ratio 1, KL 0 and
+    clip rate 0, which read as a perfect step. Told (the JSONL sink, the log), never alerted: nothing
+    went non-finite."""
+
+    run_id: str
+    run_name: str
+    steps: list[int]  # new this cycle
+    kind = "no_valid_tokens"
+
+    def as_dict(self) -> dict:
+        shown = ", ".join(map(str, self.steps[:8])) + (" ..." if len(self.steps) > 8 else "")
+        return {"kind": self.kind, "source": SOURCE, "run_id": self.run_id, "run_name": self.run_name,
+                "steps": self.steps, "step": self.steps[-1], "time": time.time(),
+                "text": (f"rldiag watch: run {self.run_label()}: no valid tokens (batch/valid_tokens 0) at "
+                         f"{len(self.steps)} step(s) ({shown}): every completion token masked, so the policy "
+                         "metrics there are an empty batch's ratio 1, KL 0, clip rate 0; check the completion mask")}
+
+
+@dataclass
 class LikelyOverflowNote(StepEvent):
     """Non-finite grad-norm steps of an fp16 run rldiag did not watch that are likely loss-scaler overflows
     (kind "likely_scaler_overflow"; see `rldiag.app.analysis.step_events.fp16_streaks`): told, never alerted.

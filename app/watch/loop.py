@@ -38,12 +38,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rldiag.app.analysis.nan_events import bad_steps
+from rldiag.app.analysis.nan_events import bad_steps, empty_steps
 from rldiag.app.analysis.step_events import LONG_STREAK, fp16_streaks, nonfinite_loss, scaler_overflows
 from rldiag.app.data.histories import Histories, load_histories
 from rldiag.app.data.runs import pages
 from rldiag.app.data.store import Store, store_errors
-from rldiag.app.watch.events import LikelyOverflowNote, LossAlert, OverflowNote, WatchAlert, divergence_event
+from rldiag.app.watch.events import (EmptyBatchNote, LikelyOverflowNote, LossAlert, OverflowNote, WatchAlert,
+                                     divergence_event)
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import AlertDispatcher, MlflowTagSink, NonFiniteGradAlert
@@ -53,8 +54,9 @@ log = logging.getLogger("rldiag.watch")
 
 # canonical; aliases come from keys.ALIASES. The loss tells a NaN's likely cause (finite loss, NaN gradients).
 # The fp16 scaler's keys tell its overflows (told, never alerted) from NaN gradients.
+# batch/valid_tokens tells a step that measured nothing (every token masked).
 WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, keys.LOSS_UNFILTERED,
-                               keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE)
+                               keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE, keys.BATCH_TOKENS)
 ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
 DEFAULT_INTERVAL = 30.0
 
@@ -70,7 +72,8 @@ or inf (MLflow stores inf as 1.797e308; read back as inf). A NaN/inf loss beside
 alert of its own kind (nonfinite_loss); fp16 scaler overflows (grad/scaler_overflow) are told, never
 alerted. In an fp16 run rldiag did not watch (params fp16=True), a short streak of non-finite grad norms
 with a finite loss is held back until the next finite row (then told as a likely scaler overflow) or
-alerted once it lasts 8 logged rows, has a NaN loss, or the run ends in it. The state file remembers what was already alerted, so a restarted watcher neither repeats nor
+alerted once it lasts 8 logged rows, has a NaN loss, or the run ends in it. Steps with no valid tokens
+(batch/valid_tokens 0: every token masked) are told once as no_valid_tokens, never alerted. The state file remembers what was already alerted, so a restarted watcher neither repeats nor
 misses an event.
 """
 
@@ -188,6 +191,7 @@ class Watcher:
         run_id, name = run.info.run_id, run.info.run_name or ""
         sent = self._check_loss(run_id, name, experiment)
         self._note_overflows(run_id, name)
+        self._note_empty(run_id, name)
         found = bad_steps(self._h, run_id)
         if not found:
             return sent
@@ -263,6 +267,20 @@ class Watcher:
             return
         self._dispatcher(run_id, rs).note(OverflowNote(run_id, name, new, ov.text()))
         rs.note("scaler_overflow", new)
+        self.state.save()
+        self._notes += 1
+
+    def _note_empty(self, run_id: str, name: str) -> None:
+        """Tell a run's new steps with no valid tokens once, in one event per cycle: no alert."""
+        new = empty_steps(self._h, run_id)
+        if not new:
+            return
+        rs = self.state.run(run_id, name)
+        new = rs.new_noted(EmptyBatchNote.kind, new)
+        if not new:
+            return
+        self._dispatcher(run_id, rs).note(EmptyBatchNote(run_id, name, new))
+        rs.note(EmptyBatchNote.kind, new)
         self.state.save()
         self._notes += 1
 

@@ -421,3 +421,29 @@ def test_an_unwatched_fp16_run_holds_a_short_streak_back_then_tells_it_as_a_like
     assert res.alerts == 8 and res.pending == 0
     assert steps_of(read_events(alerts), runs["fp16"]) == list(range(5, 13))
     w.close()
+
+
+def test_steps_with_no_valid_tokens_are_told_once_and_never_alerted(store_uri, tmp_path):
+    # a running GRPO run whose completions were all masked at steps 3 and 4 (batch/valid_tokens 0, the
+    # placeholders ratio 1 and KL 0 beside it): no NaN anywhere, but the watcher says those steps measured nothing
+    t = 1_700_000_000_000
+    run = running_run(store_uri, "truncated")
+    tokens = {1: 120.0, 2: 96.0, 3: 0.0, 4: 0.0, 5: 88.0}
+    log_raw(store_uri, run, [p for s, n in tokens.items() for p in (
+        (keys.BATCH_TOKENS, n, t + s, s), (keys.RATIO_MEAN, 1.0 if n == 0 else 1.01, t + s, s),
+        (keys.GRAD_NORM, 0.5, t + s, s))])
+    alerts = tmp_path / "alerts.jsonl"
+    w = Watcher(open_store(store_uri), WatchState.load(tmp_path / "state.json"), [JsonlSink(alerts)])
+    res = w.poll()
+    assert (res.alerts, res.notes) == (0, 1), read_events(alerts)
+    [note] = read_events(alerts)
+    assert note["kind"] == "no_valid_tokens" and note["steps"] == [3, 4] and note["run_name"] == "truncated"
+    assert "no valid tokens (batch/valid_tokens 0) at 2 step(s) (3, 4)" in note["text"]
+    assert w.poll().notes == 0  # told once
+    log_raw(store_uri, run, [(keys.BATCH_TOKENS, 0.0, t + 9, 9)])
+    res = w.poll()
+    assert (res.alerts, res.notes) == (0, 1)
+    assert read_events(alerts)[-1]["steps"] == [9]
+    # a restart on the same state file tells nothing again
+    w2 = Watcher(open_store(store_uri), WatchState.load(tmp_path / "state.json"), [JsonlSink(alerts)])
+    assert w2.poll().notes == 0 and len(read_events(alerts)) == 2
