@@ -56,3 +56,26 @@ class LossCheck:
             log.warning("%s", event.text())
         session.alerts.note(event)
         return True
+
+
+class EmptyBatchCheck:
+    """Warns at the first step of each stretch whose `batch/valid_tokens` is 0 (rank 0): every completion
+    token masked (a truncation at the length limit, a mask of the wrong sign), so the policy metrics logged
+    there are an empty batch's ratio 1, KL 0 and clip rate 0, the values of a perfect step. Nothing went
+    non-finite: a warning in the log, no event and no alert (`rldiag watch` tells it as no_valid_tokens)."""
+
+    def __init__(self) -> None:
+        self.in_a_row = 0
+
+    def update(self, step: int, valid_tokens: float | None) -> bool:
+        """True when `step` had no valid token (and the first of a stretch was warned)."""
+        if valid_tokens is None or valid_tokens != 0:
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        if self.in_a_row == 1:
+            log.warning("rldiag: step %d: no valid tokens (batch/valid_tokens 0): every completion token is masked, "
+                        "so the policy metrics logged there are an empty batch's ratio 1, KL 0, clip rate 0, not "
+                        "measurements (warned once a stretch); check the completion mask (every completion "
+                        "truncated? the mask's sign?)", step)
+        return True

@@ -42,7 +42,7 @@ from rldiag.collectors.gradcheck import (
     grad_norm_stats,
     shard_split,
 )
-from rldiag.collectors.loss_event import LossCheck
+from rldiag.collectors.loss_event import EmptyBatchCheck, LossCheck
 from rldiag.collectors.metrics import pack, to_host
 from rldiag.collectors.nan_origin import autograd_order, in_order, nan_origin
 from rldiag.collectors.session import NonFiniteGradientError, RunSession
@@ -98,6 +98,7 @@ class Monitor:
         self.last_report: GradReport | None = None
         self._overflows = OverflowCounter()
         self._loss_check = LossCheck()
+        self._empty_check = EmptyBatchCheck()
         self._warned_no_grads = False
         self._checked_engine = False
         self._warned_zero_skip = False
@@ -205,6 +206,7 @@ class Monitor:
                         logged[f"rank{r}/{k}"] = per[r * len(values) + j]
             self.writer.log_metrics(logged, step)
             self._loss_check.update(self.session, step, got.get(keys.LOSS), report.finite)
+            self._empty_check.update(step, got.get(keys.BATCH_TOKENS))
         if report.finite and max_norm is not None:
             clip_grads(entries, max_norm, report.norm)
         if report.finite or not report.found:  # unknown: nothing to alert on or to skip
@@ -264,7 +266,10 @@ class Monitor:
     def log(self, metrics: Mapping[str, torch.Tensor | float], step: int) -> None:
         """Log any further values at `step` (tensors cross to the host in one transfer; rank 0 only)."""
         if self.writer is not None:
-            self.writer.log_metrics(to_host(metrics), step)
+            host = to_host(metrics)
+            self.writer.log_metrics(host, step)
+            if keys.BATCH_TOKENS in host:
+                self._empty_check.update(step, host[keys.BATCH_TOKENS])
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def close(self, status: str = "FINISHED") -> WriterStats | None:
