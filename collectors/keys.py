@@ -63,6 +63,11 @@ LOSS_UNFILTERED = "rldiag/loss"
 BATCH_TOKENS = "batch/valid_tokens"
 BATCH_SEQUENCES = "batch/sequences"
 BATCH_REWARDS = "batch/rewards"
+# TRL's GRPOTrainer: the fraction of completions cut at max_completion_length. Under its param
+# mask_truncated_completions=True those completions are masked out of the loss, so a step at 1.0 has no
+# valid token at all (read side: nan_events.truncated_masked_steps). Not canonical: TRL's own name.
+TRL_CLIPPED_RATIO = "completions/clipped_ratio"
+TRL_MASK_TRUNCATED = "mask_truncated_completions"
 
 CANONICAL_METRICS: tuple[str, ...] = (
     CLIP_RATE,

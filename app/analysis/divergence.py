@@ -505,6 +505,7 @@ class CandidateSummary:
     # steps where it logged batch/valid_tokens 0 (`nan_events.empty_steps`): every token masked, its policy
     # metrics there an empty batch's placeholders (ratio 1, KL 0), which read as a perfect step
     empty_steps: tuple[int, ...] = ()
+    empty_truncated: bool = False  # some of them found as TRL's every-completion-truncated, masked (nan_events)
 
     @property
     def first_nonfinite_step(self) -> int | None:

@@ -11,7 +11,7 @@ mapped by the alias table). What the collectors' alerts add is read from the run
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +65,28 @@ def empty_steps(h: Histories, run_id: str) -> list[int]:
     rate 0: `collectors.metrics`), not measurements, and would read as a perfect step."""
     t = h.get(run_id, keys.BATCH_TOKENS)
     return [] if t is None else t.steps[t.values == 0.0].tolist()
+
+
+def truncated_masked_steps(h: Histories, run_id: str, params: Mapping[str, str] | None) -> list[int]:
+    """Steps where TRL masked every completion: `completions/clipped_ratio` 1 (every completion cut at
+    max_completion_length) in a run whose params say mask_truncated_completions=True. TRL then zeroes the
+    whole completion mask, and its loss, kl, entropy and clip ratios there are an empty batch's 0."""
+    if str((params or {}).get(keys.TRL_MASK_TRUNCATED, "")).strip().lower() != "true":
+        return []
+    t = h.get(run_id, keys.TRL_CLIPPED_RATIO)
+    return [] if t is None else t.steps[t.values == 1.0].tolist()
+
+
+def with_truncation_hints(summaries: Sequence, h: Histories, params: Mapping[str, Mapping[str, str]] | None) -> list:
+    """`CandidateSummary`s with the steps `truncated_masked_steps` finds (their params: run -> params) added
+    to `empty_steps`, and `empty_truncated` set; the others as they were."""
+    from dataclasses import replace
+
+    out = []
+    for s in summaries:
+        found = truncated_masked_steps(h, s.run_id, (params or {}).get(s.run_id))
+        out.append(replace(s, empty_steps=tuple(sorted({*s.empty_steps, *found})), empty_truncated=True) if found else s)
+    return out
 
 
 def unchecked_steps(h: Histories, run_id: str) -> list[int]:

@@ -21,6 +21,7 @@ from rldiag.app.analysis.divergence import (
     size_text,
     zero_rate_text,
 )
+from rldiag.app.analysis.nan_events import with_truncation_hints
 from rldiag.app.analysis.step_events import with_overflow_hints
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
@@ -37,6 +38,7 @@ from rldiag.app.data.steps import format_ranges
 from rldiag.app.plots.decimate import DEFAULT_POINTS
 from rldiag.app.plots.figures import ChartOptions, run_colors, run_order
 from rldiag.app.report.content import empty_text, evidence_parts, nonfinite_text, reference_empty_text
+from rldiag.collectors import keys
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
 CHART_POINTS = 1200  # line points per run and chart: each bucket's min and max for a half-width chart
@@ -164,12 +166,16 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         if any(x.nonfinite_steps for x in summaries):  # an fp16 run's likely overflows: its params say fp16
             cfgs = data.configs(sel.uri, tuple(x.run_id for x in summaries if x.nonfinite_steps))
             summaries = with_overflow_hints(summaries, h, {r: c.params for r, c in cfgs.items()})
+        # TRL's every-completion-truncated steps count as "no valid tokens" where its params mask them
+        trl = tuple(r for r in (*refs, *cands) if h.get(r, keys.TRL_CLIPPED_RATIO) is not None)
+        trl_params = {r: c.params for r, c in data.configs(sel.uri, trl).items()} if trl else {}
+        summaries = with_truncation_hints(summaries, h, trl_params)
         # `loaded` holds the signatures' own metrics too (page_keys), whatever the page charts
         causes = data.causes(sel.uri, loaded, tuple(refs), tuple(cands), data.runs_version(sel.runs, cands), summaries)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if note := reference_note(len(refs), DivergenceConfig.from_env()):
             st.caption(note)
-        if note := reference_empty_text(h, refs, sel.labels):
+        if note := reference_empty_text(h, refs, sel.labels, trl_params):
             st.warning(note, icon=":material/warning:")
         if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
             missed = detectable_text([d for s in summaries for d in s.within])  # what "within" could miss

@@ -329,9 +329,10 @@ def divergence_rows(divs: Mapping[str, Mapping[str, Divergence]], labels: Mappin
 
 def with_grad_keys(metric_keys: Sequence[str]) -> tuple[str, ...]:
     """`metric_keys` and the metrics behind every "non-finite gradients" headline (grad/norm under any
-    trainer's name, grad/finite) and every "no valid tokens" one (batch/valid_tokens), loaded whether
-    charted or not."""
-    return tuple(dict.fromkeys([*metric_keys, keys.GRAD_NORM, keys.GRAD_FINITE, keys.BATCH_TOKENS]))
+    trainer's name, grad/finite) and every "no valid tokens" one (batch/valid_tokens, TRL's
+    completions/clipped_ratio), loaded whether charted or not."""
+    return tuple(dict.fromkeys([*metric_keys, keys.GRAD_NORM, keys.GRAD_FINITE, keys.BATCH_TOKENS,
+                                     keys.TRL_CLIPPED_RATIO]))
 
 
 def config_rows(cfgs: Mapping[str, RunConfig], labels: Mapping[str, str], *, show_identical: bool) -> pd.DataFrame:

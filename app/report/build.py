@@ -180,8 +180,10 @@ def build_report(tracking_uri: str | None = None, *, reference: str | Sequence[s
             raise ValueError(f"metric(s) {absent} were logged by none of the runs; they logged: "
                              f"{sorted(present)}")
     say(f"{len(refs)} reference(s), {len(cands)} candidate(s); loading {len(keys)} metric(s) of {len(ids)} runs ...")
-    # NaN events need the gradient flags and norms even when they are not charted; "no valid tokens" the batch size.
+    # NaN events need the gradient flags and norms even when they are not charted; "no valid tokens" the batch
+    # size (or TRL's truncated fraction).
     histories = _load(store, ids, [*keys, K.GRAD_FINITE, K.GRAD_NORM, K.GRAD_FOUND, K.LOSS, K.LOSS_UNFILTERED, K.BATCH_TOKENS,
+                                   K.TRL_CLIPPED_RATIO,
                                    K.GRAD_SCALER_OVERFLOW, K.GRAD_LOSS_SCALE, *K.WORST_TOKEN_KEYS])
     n = sum(len(t) for t in histories.traces.values())
     say(f"loaded {n:,} points in {time.monotonic() - t0:.1f} s; comparing and drawing ...")

@@ -32,7 +32,13 @@ from rldiag.app.analysis.divergence import (
     summarize,
     zero_rate_text,
 )
-from rldiag.app.analysis.nan_events import empty_steps, nan_events, unchecked_steps
+from rldiag.app.analysis.nan_events import (
+    empty_steps,
+    nan_events,
+    truncated_masked_steps,
+    unchecked_steps,
+    with_truncation_hints,
+)
 from rldiag.app.analysis.step_events import with_overflow_hints
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, nonfinite_table
@@ -149,8 +155,9 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     nonfinite = nonfinite_table(histories, ids)
     nonfinite = nonfinite[nonfinite["key"].isin(keys)].reset_index(drop=True)
     configs = {r.info.run_id: RunConfig(dict(r.data.params), tags[r.info.run_id]) for r in runs}
-    summaries = tuple(with_overflow_hints(summarize(divergences, histories, refs, cands, keys, divergence_config),
-                                          histories, {r: c.params for r, c in configs.items()}))
+    params = {r: c.params for r, c in configs.items()}
+    summaries = tuple(with_truncation_hints(with_overflow_hints(
+        summarize(divergences, histories, refs, cands, keys, divergence_config), histories, params), histories, params))
     diff = config_diff(configs, labels=labels)
     diff = diff[~diff["name"].isin(ALERT_TAGS)].reset_index(drop=True)  # alert state: the NaN section says it
     causes = tuple(likely_causes(histories, configs, refs, cands, summaries=summaries, alerts=alerts))
@@ -160,9 +167,9 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     return ReportContent(title, redact_uri(store.uri), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), infos,
                          tuple(keys), divergence, events, nonfinite, diff, figures, summaries, causes,
                          {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories,
-                         alerts=alerts, params={r: c.params for r, c in configs.items()},
+                         alerts=alerts, params=params,
                          reference_note=" ".join(t for t in [reference_note(len(refs), divergence_config),
-                                                             reference_empty_text(histories, refs, labels)] if t))
+                                                             reference_empty_text(histories, refs, labels, params)] if t))
 
 
 def _color_order(store: Store, runs: list) -> list[str]:
@@ -260,21 +267,32 @@ def empty_text(s: CandidateSummary) -> str | None:
     """ "no valid tokens at steps 3, 7 (2 steps): ...", or None where every step had some."""
     if not s.empty_steps:
         return None
-    return (f"no valid tokens at step{'s' if len(s.empty_steps) > 1 else ''} {format_ranges(s.empty_steps, limit=8)} "
-            f"({_plural(len(s.empty_steps), 'step')} with every completion token masked: the policy metrics there "
-            "are an empty batch's ratio 1, KL 0, clip rate 0, not measurements; check the completion mask)")
+    where = f"no valid tokens at step{'s' if len(s.empty_steps) > 1 else ''} {format_ranges(s.empty_steps, limit=8)}"
+    if s.empty_truncated:
+        return (f"{where} ({_plural(len(s.empty_steps), 'step')} with every completion token masked: every completion "
+                f"cut at max_completion_length ({K.TRL_CLIPPED_RATIO} 1) and {K.TRL_MASK_TRUNCATED}=True, so the "
+                "loss, kl, entropy and clip ratios there are an empty batch's 0, not measurements; raise "
+                "max_completion_length)")
+    return (f"{where} ({_plural(len(s.empty_steps), 'step')} with every completion token masked: the policy metrics "
+            "there are an empty batch's ratio 1, KL 0, clip rate 0, not measurements; check the completion mask)")
 
 
-def reference_empty_text(histories: Histories, reference_ids: Sequence[str], labels: dict[str, str]) -> str:
+def reference_empty_text(histories: Histories, reference_ids: Sequence[str], labels: dict[str, str],
+                         params: dict[str, dict[str, str]] | None = None) -> str:
     """What the band rests on where a reference logged no valid tokens ("" where none did): its policy
-    metrics there are an empty batch's placeholders, and they enter the band as if measured."""
+    metrics there are an empty batch's placeholders, and they enter the band as if measured. `params`
+    (run -> params) finds TRL's every-completion-truncated steps too (`truncated_masked_steps`)."""
+    def steps(r: str) -> list[int]:
+        return sorted({*empty_steps(histories, r), *truncated_masked_steps(histories, r, (params or {}).get(r))})
+
     parts = [f"{labels.get(r, r)} at step{'s' if len(e) > 1 else ''} {format_ranges(e, limit=8)}"
-             for r in reference_ids if (e := empty_steps(histories, r))]
+             for r in reference_ids if (e := steps(r))]
     if not parts:
         return ""
-    return ("No valid tokens (batch/valid_tokens 0) in reference " + "; ".join(parts) + ": every completion token "
-            "masked, so its policy metrics there are an empty batch's ratio 1, KL 0, clip rate 0, not measurements, "
-            "and they are in the band; check the reference's completion mask.")
+    return ("No valid tokens in reference " + "; ".join(parts) + ": every completion token masked (batch/valid_tokens "
+            "0, or TRL's completions/clipped_ratio 1 under mask_truncated_completions=True), so its policy metrics "
+            "there are an empty batch's placeholders (ratio 1, KL 0, clip rate 0), not measurements, and they are in "
+            "the band; check the reference's completion mask or its max_completion_length.")
 
 
 def metric_note(s: CandidateSummary, key: str) -> str:

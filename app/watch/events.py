@@ -123,15 +123,20 @@ class EmptyBatchNote(StepEvent):
     run_id: str
     run_name: str
     steps: list[int]  # new this cycle
+    truncated: bool = False  # found (some) as TRL's completions/clipped_ratio 1 under mask_truncated_completions
     kind = "no_valid_tokens"
 
     def as_dict(self) -> dict:
         shown = ", ".join(map(str, self.steps[:8])) + (" ..." if len(self.steps) > 8 else "")
+        why = ("every completion cut at max_completion_length (completions/clipped_ratio 1) and masked "
+               "(mask_truncated_completions=True), so TRL's loss, kl, entropy and clip ratios there are an empty "
+               "batch's 0; raise max_completion_length" if self.truncated else
+               "every completion token masked, so the policy metrics there are an empty batch's ratio 1, KL 0, "
+               "clip rate 0; check the completion mask")
+        what = "no valid tokens" if self.truncated else "no valid tokens (batch/valid_tokens 0)"
         return {"kind": self.kind, "source": SOURCE, "run_id": self.run_id, "run_name": self.run_name,
                 "steps": self.steps, "step": self.steps[-1], "time": time.time(),
-                "text": (f"rldiag watch: run {self.run_label()}: no valid tokens (batch/valid_tokens 0) at "
-                         f"{len(self.steps)} step(s) ({shown}): every completion token masked, so the policy "
-                         "metrics there are an empty batch's ratio 1, KL 0, clip rate 0; check the completion mask")}
+                "text": f"rldiag watch: run {self.run_label()}: {what} at {len(self.steps)} step(s) ({shown}): {why}"}
 
 
 @dataclass

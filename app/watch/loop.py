@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rldiag.app.analysis.nan_events import bad_steps, empty_steps
+from rldiag.app.analysis.nan_events import bad_steps, empty_steps, truncated_masked_steps
 from rldiag.app.analysis.step_events import LONG_STREAK, fp16_streaks, nonfinite_loss, scaler_overflows
 from rldiag.app.data.histories import Histories, load_histories
 from rldiag.app.data.runs import pages
@@ -54,9 +54,11 @@ log = logging.getLogger("rldiag.watch")
 
 # canonical; aliases come from keys.ALIASES. The loss tells a NaN's likely cause (finite loss, NaN gradients).
 # The fp16 scaler's keys tell its overflows (told, never alerted) from NaN gradients.
-# batch/valid_tokens tells a step that measured nothing (every token masked).
+# batch/valid_tokens (or TRL's completions/clipped_ratio under mask_truncated_completions) tells a step
+# that measured nothing (every token masked).
 WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, keys.LOSS_UNFILTERED,
-                               keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE, keys.BATCH_TOKENS)
+                               keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE, keys.BATCH_TOKENS,
+                               keys.TRL_CLIPPED_RATIO)
 ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
 DEFAULT_INTERVAL = 30.0
 
@@ -73,7 +75,8 @@ alert of its own kind (nonfinite_loss); fp16 scaler overflows (grad/scaler_overf
 alerted. In an fp16 run rldiag did not watch (params fp16=True), a short streak of non-finite grad norms
 with a finite loss is held back until the next finite row (then told as a likely scaler overflow) or
 alerted once it lasts 8 logged rows, has a NaN loss, or the run ends in it. Steps with no valid tokens
-(batch/valid_tokens 0: every token masked) are told once as no_valid_tokens, never alerted. The state file remembers what was already alerted, so a restarted watcher neither repeats nor
+(batch/valid_tokens 0, or TRL's completions/clipped_ratio 1 with mask_truncated_completions=True: every token
+masked) are told once as no_valid_tokens, never alerted. The state file remembers what was already alerted, so a restarted watcher neither repeats nor
 misses an event.
 """
 
@@ -191,7 +194,7 @@ class Watcher:
         run_id, name = run.info.run_id, run.info.run_name or ""
         sent = self._check_loss(run_id, name, experiment)
         self._note_overflows(run_id, name)
-        self._note_empty(run_id, name)
+        self._note_empty(run_id, name, dict(run.data.params))
         found = bad_steps(self._h, run_id)
         if not found:
             return sent
@@ -270,16 +273,17 @@ class Watcher:
         self.state.save()
         self._notes += 1
 
-    def _note_empty(self, run_id: str, name: str) -> None:
+    def _note_empty(self, run_id: str, name: str, params: dict[str, str]) -> None:
         """Tell a run's new steps with no valid tokens once, in one event per cycle: no alert."""
-        new = empty_steps(self._h, run_id)
+        trl = truncated_masked_steps(self._h, run_id, params)
+        new = sorted({*empty_steps(self._h, run_id), *trl})
         if not new:
             return
         rs = self.state.run(run_id, name)
         new = rs.new_noted(EmptyBatchNote.kind, new)
         if not new:
             return
-        self._dispatcher(run_id, rs).note(EmptyBatchNote(run_id, name, new))
+        self._dispatcher(run_id, rs).note(EmptyBatchNote(run_id, name, new, truncated=bool(set(new) & set(trl))))
         rs.note(EmptyBatchNote.kind, new)
         self.state.save()
         self._notes += 1

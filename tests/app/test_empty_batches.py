@@ -6,6 +6,13 @@ SQLite store; the page through Streamlit's AppTest."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from rldiag.app.report.build import build_report, departure_lines
@@ -76,7 +83,7 @@ def test_a_reference_with_no_valid_tokens_is_said_where_the_band_is(store_uri, m
     cand = _run(store_uri, "seed", "candidate", 11)
 
     report = build_report(store_uri, group="g", keys=list(SHOWN))
-    said = "No valid tokens (batch/valid_tokens 0) in reference ref0 at step 30: every completion token masked"
+    said = "No valid tokens in reference ref0 at step 30: every completion token masked"
     assert said in report.content.reference_note, report.content.reference_note
     assert said in unescape_md(report.markdown)
     assert "ref1" not in report.content.reference_note
@@ -87,3 +94,80 @@ def test_a_reference_with_no_valid_tokens_is_said_where_the_band_is(store_uri, m
     at.multiselect(key="compare.metrics").set_value(list(SHOWN)).run()
     assert not at.exception, [e.value for e in at.exception]
     assert [w.value for w in at.warning if w.value.startswith(said)], [w.value for w in at.warning]
+
+
+TRL_SCRIPT = """
+import json, sys
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+from tests.tiny_hf import save_tiny_qwen2
+tok = save_tiny_qwen2("tiny")
+prompts = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(24)]})
+def reward_len(completions, **kw):
+    return [float(len(c)) for c in completions]
+logs = {}
+for name, mask in (("unmasked", False), ("masked", True)):
+    # 2 new tokens from a random 64-word model: nearly every completion is cut at the limit
+    args = GRPOConfig(output_dir="out", per_device_train_batch_size=4, num_generations=4, max_completion_length=2,
+                      max_steps=6, logging_steps=1, report_to="mlflow", run_name=name, use_vllm=False, beta=0.1,
+                      mask_truncated_completions=mask, save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=args, train_dataset=prompts, processing_class=tok)
+    trainer.train()
+    logs[name] = [h for h in trainer.state.log_history if "completions/clipped_ratio" in h]
+print("LOGS=" + json.dumps(logs))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_trl_masking_every_truncated_completion_is_told_as_no_valid_tokens(store_uri, tmp_path, monkeypatch):
+    # stock TRL GRPOTrainer with mask_truncated_completions=True: at a step where every completion hit
+    # max_completion_length, TRL masks them all and logs loss, kl, entropy and clip ratios of 0
+    pytest.importorskip("trl")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store_uri, "MLFLOW_EXPERIMENT_NAME": "trl-trunc",
+           "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", TRL_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    logs = json.loads(out.stdout.split("LOGS=", 1)[1].splitlines()[0])
+    cut = [h["step"] for h in logs["masked"] if h["completions/clipped_ratio"] == 1.0]
+    assert cut, logs  # TRL's own log: the steps it masked whole
+    assert all(h["clip_ratio/region_mean"] == 0.0 and h["loss"] == 0.0 for h in logs["masked"] if h["step"] in cut)
+
+    from mlflow import MlflowClient
+
+    runs = {r.info.run_name: r.info.run_id for r in MlflowClient(store_uri).search_runs(
+        [MlflowClient(store_uri).get_experiment_by_name("trl-trunc").experiment_id])}
+    report = build_report(store_uri, reference=runs["unmasked"], candidates=runs["masked"])
+    [line] = departure_lines(report)[:1]
+    steps = ", ".join(map(str, cut)) if len(cut) < 3 else None
+    assert line.startswith(f"masked: no valid tokens at step{'s' if len(cut) > 1 else ''} "), line
+    assert "completions/clipped_ratio 1) and mask_truncated_completions=True" in line, line
+    assert "raise max_completion_length" in line
+    [s] = report.content.summaries
+    assert s.empty_steps == tuple(cut) and not s.clean
+    if steps:
+        assert steps in line
+    at = app(store_uri, monkeypatch, "compare")
+    at.sidebar.multiselect(key="sidebar.reference").set_value([runs["unmasked"]])
+    at.sidebar.multiselect(key="sidebar.candidates").set_value([runs["masked"]]).run()
+    assert not at.exception, [e.value for e in at.exception]
+    [page_line] = [unescape_md(m.value).replace("**", "") for m in at.markdown if m.value.startswith("- **")]
+    assert page_line.startswith("- " + line.split(" (")[0]), (page_line, line)
+    assert "raise max_completion_length" in page_line and not at.success
+    # the same runs the other way round: the unmasked run's steps are measurements, the masked reference's are not
+    back = build_report(store_uri, reference=runs["masked"], candidates=runs["unmasked"])
+    assert "no valid tokens" not in departure_lines(back)[0]
+    assert back.content.reference_note.startswith("One reference run")
+    assert "No valid tokens in reference masked at step" in back.content.reference_note
+
+    state = tmp_path / "watch-state.json"
+    events = tmp_path / "events.jsonl"
+    res = subprocess.run([str(Path(sys.executable).parent / "rldiag"), "watch", "--once", "--all", "--tracking-uri", store_uri,
+                          "--state", str(state), "--jsonl", str(events)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    told = [json.loads(x) for x in events.read_text().splitlines()]
+    told = [e for e in told if e["kind"] == "no_valid_tokens"]
+    assert [(e["run_name"], e["steps"]) for e in told] == [("masked", cut)], told
+    assert "raise max_completion_length" in told[0]["text"]
