@@ -85,7 +85,8 @@ def with_truncation_hints(summaries: Sequence, h: Histories, params: Mapping[str
     out = []
     for s in summaries:
         found = truncated_masked_steps(h, s.run_id, (params or {}).get(s.run_id))
-        out.append(replace(s, empty_steps=tuple(sorted({*s.empty_steps, *found})), empty_truncated=True) if found else s)
+        steps = tuple(sorted({*s.empty_steps, *found}))
+        out.append(replace(s, empty_steps=steps, empty_truncated=True) if found else s)
     return out
 
 

@@ -169,7 +169,8 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
                          {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories,
                          alerts=alerts, params=params,
                          reference_note=" ".join(t for t in [reference_note(len(refs), divergence_config),
-                                                             reference_empty_text(histories, refs, labels, params)] if t))
+                                                             reference_empty_text(histories, refs, labels, params)]
+                                                 if t))
 
 
 def _color_order(store: Store, runs: list) -> list[str]:

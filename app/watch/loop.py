@@ -43,8 +43,14 @@ from rldiag.app.analysis.step_events import LONG_STREAK, fp16_streaks, nonfinite
 from rldiag.app.data.histories import Histories, load_histories
 from rldiag.app.data.runs import pages
 from rldiag.app.data.store import Store, store_errors
-from rldiag.app.watch.events import (EmptyBatchNote, LikelyOverflowNote, LossAlert, OverflowNote, WatchAlert,
-                                     divergence_event)
+from rldiag.app.watch.events import (
+    EmptyBatchNote,
+    LikelyOverflowNote,
+    LossAlert,
+    OverflowNote,
+    WatchAlert,
+    divergence_event,
+)
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import AlertDispatcher, MlflowTagSink, NonFiniteGradAlert
@@ -76,8 +82,8 @@ alerted. In an fp16 run rldiag did not watch (params fp16=True), a short streak 
 with a finite loss is held back until the next finite row (then told as a likely scaler overflow) or
 alerted once it lasts 8 logged rows, has a NaN loss, or the run ends in it. Steps with no valid tokens
 (batch/valid_tokens 0, or TRL's completions/clipped_ratio 1 with mask_truncated_completions=True: every token
-masked) are told once as no_valid_tokens, never alerted. The state file remembers what was already alerted, so a restarted watcher neither repeats nor
-misses an event.
+masked) are told once as no_valid_tokens, never alerted. The state file remembers what was already
+alerted, so a restarted watcher neither repeats nor misses an event.
 """
 
 

@@ -79,7 +79,8 @@ def test_steps_with_no_valid_tokens_lead_the_report_and_the_page(store_uri, monk
 
 def test_a_reference_with_no_valid_tokens_is_said_where_the_band_is(store_uri, monkeypatch):
     # the reference's placeholders enter the band: the report and the page say so, whatever the verdict
-    refs = [_run(store_uri, "ref0", "reference", 0, (30,)), *(_run(store_uri, f"ref{i}", "reference", i) for i in (1, 2))]
+    refs = [_run(store_uri, "ref0", "reference", 0, (30,)),
+            *(_run(store_uri, f"ref{i}", "reference", i) for i in (1, 2))]
     cand = _run(store_uri, "seed", "candidate", 11)
 
     report = build_report(store_uri, group="g", keys=list(SHOWN))
@@ -163,9 +164,9 @@ def test_trl_masking_every_truncated_completion_is_told_as_no_valid_tokens(store
 
     state = tmp_path / "watch-state.json"
     events = tmp_path / "events.jsonl"
-    res = subprocess.run([str(Path(sys.executable).parent / "rldiag"), "watch", "--once", "--all", "--tracking-uri", store_uri,
-                          "--state", str(state), "--jsonl", str(events)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    watch = [str(Path(sys.executable).parent / "rldiag"), "watch", "--once", "--all", "--tracking-uri", store_uri,
+             "--state", str(state), "--jsonl", str(events)]
+    res = subprocess.run(watch, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     told = [json.loads(x) for x in events.read_text().splitlines()]
     told = [e for e in told if e["kind"] == "no_valid_tokens"]

@@ -80,7 +80,7 @@ def test_a_step_with_no_valid_tokens_is_warned_once_a_stretch_and_never_alerted(
         for step in range(7):
             lp_new = torch.log_softmax(model(torch.randn(3, 4)), -1)
             lp_old = lp_new.detach() + 0.05 * torch.randn(3, 16)
-            mask = torch.ones(3, 16, dtype=torch.bool) if step not in (2, 3, 5) else torch.zeros(3, 16, dtype=torch.bool)
+            mask = torch.full((3, 16), step not in (2, 3, 5))
             lp_new.sum().backward()
             stats = policy_metrics(lp_new.detach(), lp_old, mask)
             if step < 5:
@@ -95,7 +95,8 @@ def test_a_step_with_no_valid_tokens_is_warned_once_a_stretch_and_never_alerted(
     ratio = {m.step: m.value for m in client.get_metric_history(mon.run_id, keys.RATIO_MEAN)}
     assert [s for s, v in tokens.items() if v == 0] == [2, 3, 5]
     assert ratio[2] == ratio[3] == ratio[5] == 1.0  # what the warning is about: a "perfect" step
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "no valid tokens" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING and "no valid tokens" in r.getMessage()]
     assert [w.split(":")[1].strip() for w in warned] == ["step 2", "step 5"], warned
     assert "check the completion mask" in warned[0]
     assert keys.TAG_ALERT_COUNT not in client.get_run(mon.run_id).data.tags and mon.events == []
