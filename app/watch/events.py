@@ -32,6 +32,7 @@ class WatchAlert:
     values: dict[str, float]
     experiment: str = ""
     cause: str = ""  # the run's first likely cause in one line (rldiag.app.analysis.causes), "" if none fits
+    logged_at: int | None = None  # logged with no step: the one step MLflow stored every point at
 
     run_id = property(lambda self: self.alert.run_id)
     run_name = property(lambda self: self.alert.run_name)
@@ -43,7 +44,8 @@ class WatchAlert:
         flagged = ", ".join(f"{k}={v}" for k, v in self.values.items())
         where = f" in experiment {self.experiment!r}" if self.experiment else ""
         cause = f"; {self.cause}" if self.cause else ""
-        return f"rldiag watch: non-finite gradients in run {name}{where} at step {a.step}: {flagged}{cause}"
+        at = at_step(a.step, self.logged_at)
+        return f"rldiag watch: non-finite gradients in run {name}{where} {at}: {flagged}{cause}"
 
     def as_dict(self) -> dict:
         d = self.alert.as_dict()
@@ -70,6 +72,15 @@ def divergence_event(run_id: str, run_name: str, group: str, references: Sequenc
             "cause": cause, "time": time.time(), "text": text}
 
 
+def at_step(step: int, logged_at: int | None) -> str:
+    """ "at step 12"; for a metric logged with no step (every point stored at step `logged_at`, kept in
+    logging order: `Trace.logged_at`) "at value 12 in logging order (counted from 0; ...)"."""
+    if logged_at is None:
+        return f"at step {step}"
+    return (f"at value {step} in logging order (counted from 0; logged with no step, so MLflow shows every value "
+            f"at step {logged_at})")
+
+
 @dataclass
 class LossAlert(StepEvent):
     """A step whose logged loss is NaN or inf while its gradients are not flagged (kind "nonfinite_loss"):
@@ -81,6 +92,7 @@ class LossAlert(StepEvent):
     value: float
     checked: bool  # a finite gradient check was logged at this step
     experiment: str = ""
+    logged_at: int | None = None  # logged with no step: the one step MLflow stored every point at
     kind = "nonfinite_loss"
 
     def text(self) -> str:
@@ -89,7 +101,7 @@ class LossAlert(StepEvent):
         grads = ("every gradient is finite there: part of the loss carries no gradient (a detached term, a value "
                  "computed under no_grad), or backward ran on another tensor" if self.checked
                  else "no gradient check was logged at this step (unknown, not finite)")
-        return f"rldiag watch: loss is {_num(self.value)} in run {name}{where} at step {self.step}; {grads}"
+        return f"rldiag watch: loss is {_num(self.value)} in run {name}{where} {at_step(self.step, self.logged_at)}; {grads}"
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "source": SOURCE, "run_id": self.run_id, "run_name": self.run_name,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from rldiag.app.analysis.divergence import logged_by_order
 from rldiag.app.analysis.nan_events import bad_steps, empty_steps, truncated_masked_steps
 from rldiag.app.analysis.step_events import LONG_STREAK, fp16_streaks, nonfinite_loss, scaler_overflows
 from rldiag.app.data.histories import Histories, load_histories
@@ -213,9 +214,10 @@ class Watcher:
             return sent
         disp = self._dispatcher(run_id, rs)
         cause = _cause(self._h, run, {})
+        at = logged_by_order(self._h, [run_id], [keys.GRAD_NORM, keys.GRAD_FINITE]).values()
         for b in todo:
             disp.emit(WatchAlert(NonFiniteGradAlert(run_id, b.step, b.grad_norm, [], run_name=name), b.values,
-                                 experiment, cause))
+                                 experiment, cause, next(iter(at), None)))
             rs.mark(b.step)
         self.state.save()  # per run, so a crash repeats as little as possible
         return sent + len(todo)
@@ -257,9 +259,10 @@ class Watcher:
         if not new:
             return 0
         disp = self._dispatcher(run_id, rs)
+        at = next(iter(logged_by_order(self._h, [run_id], [keys.LOSS, keys.LOSS_UNFILTERED]).values()), None)
         for step, value in zip(nl.steps, nl.values):
             if step in new:
-                disp.emit(LossAlert(run_id, name, step, value, nl.checked, experiment))
+                disp.emit(LossAlert(run_id, name, step, value, nl.checked, experiment, at))
         rs.note(LossAlert.kind, new)
         self.state.save()
         return len(new)

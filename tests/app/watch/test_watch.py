@@ -447,3 +447,28 @@ def test_steps_with_no_valid_tokens_are_told_once_and_never_alerted(store_uri, t
     # a restart on the same state file tells nothing again
     w2 = Watcher(open_store(store_uri), WatchState.load(tmp_path / "state.json"), [JsonlSink(alerts)])
     assert w2.poll().notes == 0 and len(read_events(alerts)) == 2
+
+
+def test_a_run_logged_with_no_step_is_alerted_at_its_place_in_logging_order(store_uri, tmp_path):
+    # `mlflow.log_metric("grad_norm", v)` with no step: MLflow stores every value at step 0, so "at step 12"
+    # names a step the user's MLflow UI does not have; the alert says where in the logging order it was
+    import mlflow
+
+    mlflow.set_tracking_uri(store_uri)
+    mlflow.set_experiment("nostep")
+    with mlflow.start_run(run_name="nostep") as r:
+        for i in range(16):
+            mlflow.log_metric("grad_norm", NAN if i >= 12 else 0.5 + 0.01 * i)
+            mlflow.log_metric("loss", NAN if i in (5, 14) else 1.0 - 0.01 * i)  # 5: NaN loss, finite gradients
+    assert {m.step for m in MlflowClient(store_uri).get_metric_history(r.info.run_id, "grad_norm")} == {0}
+    alerts = tmp_path / "alerts.jsonl"
+    w = Watcher(open_store(store_uri), WatchState.load(tmp_path / "state.json"), [JsonlSink(alerts)], include_finished=True)
+    w.poll()
+    got = read_events(alerts)
+    assert steps_of(got) == [12, 13, 14, 15]
+    first = [e for e in got if e["kind"] == "nonfinite_grad"][0]["text"]
+    assert "at value 12 in logging order (counted from 0; logged with no step, so MLflow shows every value at step 0)" \
+        in first, first
+    assert "at step 12" not in first
+    [loss] = [e["text"] for e in got if e["kind"] == "nonfinite_loss"]
+    assert "loss is nan in run nostep" in loss and "at value 5 in logging order (counted from 0;" in loss, loss
