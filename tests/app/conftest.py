@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -68,3 +72,13 @@ def log_raw(uri: str, run_id: str, points: Iterable[tuple[str, float, int, int]]
     client = MlflowClient(uri)
     for i in range(0, len(ms), 1000):
         client.log_batch(run_id, metrics=ms[i : i + 1000])
+
+
+def run_logging_script(script: str, uri: str, experiment: str, cwd: Path):
+    """Run `script` (a real trainer logging through transformers' `report_to="mlflow"`) in a fresh
+    interpreter in `cwd`, into experiment `experiment` of `uri`; returns the JSON it printed after "LOGS="."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_NAME": experiment,
+           "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.split("LOGS=", 1)[1].splitlines()[0])

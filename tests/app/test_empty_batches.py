@@ -7,7 +7,6 @@ SQLite store; the page through Streamlit's AppTest."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from rldiag.app.report.build import build_report, departure_lines
 from rldiag.collectors import keys
 from rldiag.collectors.metrics import policy_metrics
-from tests.app.conftest import write_run
+from tests.app.conftest import run_logging_script, write_run
 from tests.app.dashboard.helpers import app, unescape_md
 
 STEPS, EMPTY = 60, (23, 41)
@@ -125,12 +124,7 @@ def test_trl_masking_every_truncated_completion_is_told_as_no_valid_tokens(store
     # stock TRL GRPOTrainer with mask_truncated_completions=True: at a step where every completion hit
     # max_completion_length, TRL masks them all and logs loss, kl, entropy and clip ratios of 0
     pytest.importorskip("trl")
-    env = {**os.environ, "MLFLOW_TRACKING_URI": store_uri, "MLFLOW_EXPERIMENT_NAME": "trl-trunc",
-           "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    out = subprocess.run([sys.executable, "-c", TRL_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    logs = json.loads(out.stdout.split("LOGS=", 1)[1].splitlines()[0])
+    logs = run_logging_script(TRL_SCRIPT, store_uri, "trl-trunc", tmp_path)
     cut = [h["step"] for h in logs["masked"] if h["completions/clipped_ratio"] == 1.0]
     assert cut, logs  # TRL's own log: the steps it masked whole
     assert all(h["clip_ratio/region_mean"] == 0.0 and h["loss"] == 0.0 for h in logs["masked"] if h["step"] in cut)
@@ -166,7 +160,7 @@ def test_trl_masking_every_truncated_completion_is_told_as_no_valid_tokens(store
     events = tmp_path / "events.jsonl"
     watch = [str(Path(sys.executable).parent / "rldiag"), "watch", "--once", "--all", "--tracking-uri", store_uri,
              "--state", str(state), "--jsonl", str(events)]
-    res = subprocess.run(watch, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(watch, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     told = [json.loads(x) for x in events.read_text().splitlines()]
     told = [e for e in told if e["kind"] == "no_valid_tokens"]

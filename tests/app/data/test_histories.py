@@ -3,12 +3,9 @@ and +-inf told apart, foreign names under canonical keys, runs aligned by step, 
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +15,7 @@ from rldiag.app.data.nonfinite import MAX_FLOAT
 from rldiag.app.data.store import open_store
 from rldiag.app.errors import RunNotFound, StoreUnreachable
 from rldiag.collectors import keys
-from tests.app.conftest import T0_MS, log_raw, write_run
+from tests.app.conftest import T0_MS, log_raw, run_logging_script, write_run
 
 INF, NAN = float("inf"), float("nan")
 
@@ -310,12 +307,7 @@ def test_trl_grpo_report_to_mlflow_shows_canonical_keys(store_uri, tmp_path):
         trainer.train()
         print("LOGS=" + json.dumps([h for h in trainer.state.log_history if "reward" in h]))
     """)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": store_uri, "MLFLOW_EXPERIMENT_NAME": "trl-grpo",
-           "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    logs = json.loads(out.stdout.split("LOGS=", 1)[1].splitlines()[0])
+    logs = run_logging_script(script, store_uri, "trl-grpo", tmp_path)
 
     from rldiag.app.data.runs import find_runs
 
