@@ -452,15 +452,16 @@ def test_steps_with_no_valid_tokens_are_told_once_and_never_alerted(store_uri, t
 def test_a_run_logged_with_no_step_is_alerted_at_its_place_in_logging_order(store_uri, tmp_path):
     # `mlflow.log_metric("grad_norm", v)` with no step: MLflow stores every value at step 0, so "at step 12"
     # names a step the user's MLflow UI does not have; the alert says where in the logging order it was
-    import mlflow
-
-    mlflow.set_tracking_uri(store_uri)
-    mlflow.set_experiment("nostep")
-    with mlflow.start_run(run_name="nostep") as r:
-        for i in range(16):
-            mlflow.log_metric("grad_norm", NAN if i >= 12 else 0.5 + 0.01 * i)
-            mlflow.log_metric("loss", NAN if i in (5, 14) else 1.0 - 0.01 * i)  # 5: NaN loss, finite gradients
-    assert {m.step for m in MlflowClient(store_uri).get_metric_history(r.info.run_id, "grad_norm")} == {0}
+    # (MLflow's client call, as the fluent mlflow.log_metric makes it; the fluent API's global tracking URI
+    # would outlive this test)
+    client = MlflowClient(store_uri)
+    run_id = client.create_run(client.create_experiment("nostep"), run_name="nostep").info.run_id
+    for i in range(16):
+        t = 1_700_000_000_000 + 10 * i  # no step; a time of its own, as a loop's points have
+        client.log_metric(run_id, "grad_norm", NAN if i >= 12 else 0.5 + 0.01 * i, timestamp=t)
+        client.log_metric(run_id, "loss", NAN if i in (5, 14) else 1.0 - 0.01 * i, timestamp=t)  # 5: NaN loss only
+    client.set_terminated(run_id)
+    assert {m.step for m in client.get_metric_history(run_id, "grad_norm")} == {0}
     alerts = tmp_path / "alerts.jsonl"
     w = Watcher(open_store(store_uri), WatchState.load(tmp_path / "state.json"), [JsonlSink(alerts)], include_finished=True)
     w.poll()
