@@ -77,6 +77,11 @@ def truncated_masked_steps(h: Histories, run_id: str, params: Mapping[str, str] 
     return [] if t is None else t.steps[t.values == 1.0].tolist()
 
 
+def no_token_steps(h: Histories, run_id: str, params: Mapping[str, str] | None) -> list[int]:
+    """Every step of `run_id` with no valid token, ascending: `empty_steps` and `truncated_masked_steps`."""
+    return sorted({*empty_steps(h, run_id), *truncated_masked_steps(h, run_id, params)})
+
+
 def with_truncation_hints(summaries: Sequence, h: Histories, params: Mapping[str, Mapping[str, str]] | None) -> list:
     """`CandidateSummary`s with the steps `truncated_masked_steps` finds (their params: run -> params) added
     to `empty_steps`, and `empty_truncated` set; the others as they were."""

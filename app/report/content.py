@@ -32,13 +32,7 @@ from rldiag.app.analysis.divergence import (
     summarize,
     zero_rate_text,
 )
-from rldiag.app.analysis.nan_events import (
-    empty_steps,
-    nan_events,
-    truncated_masked_steps,
-    unchecked_steps,
-    with_truncation_hints,
-)
+from rldiag.app.analysis.nan_events import nan_events, no_token_steps, unchecked_steps, with_truncation_hints
 from rldiag.app.analysis.step_events import with_overflow_hints
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, nonfinite_table
@@ -283,11 +277,8 @@ def reference_empty_text(histories: Histories, reference_ids: Sequence[str], lab
     """What the band rests on where a reference logged no valid tokens ("" where none did): its policy
     metrics there are an empty batch's placeholders, and they enter the band as if measured. `params`
     (run -> params) finds TRL's every-completion-truncated steps too (`truncated_masked_steps`)."""
-    def steps(r: str) -> list[int]:
-        return sorted({*empty_steps(histories, r), *truncated_masked_steps(histories, r, (params or {}).get(r))})
-
     parts = [f"{labels.get(r, r)} at step{'s' if len(e) > 1 else ''} {format_ranges(e, limit=8)}"
-             for r in reference_ids if (e := steps(r))]
+             for r in reference_ids if (e := no_token_steps(histories, r, (params or {}).get(r)))]
     if not parts:
         return ""
     return ("No valid tokens in reference " + "; ".join(parts) + ": every completion token masked (batch/valid_tokens "

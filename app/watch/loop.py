@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rldiag.app.analysis.divergence import logged_by_order
-from rldiag.app.analysis.nan_events import bad_steps, empty_steps, truncated_masked_steps
+from rldiag.app.analysis.nan_events import bad_steps, no_token_steps, truncated_masked_steps
 from rldiag.app.analysis.step_events import LONG_STREAK, fp16_streaks, nonfinite_loss, scaler_overflows
 from rldiag.app.data.histories import Histories, load_histories
 from rldiag.app.data.runs import pages
@@ -284,15 +284,15 @@ class Watcher:
 
     def _note_empty(self, run_id: str, name: str, params: dict[str, str]) -> None:
         """Tell a run's new steps with no valid tokens once, in one event per cycle: no alert."""
-        trl = truncated_masked_steps(self._h, run_id, params)
-        new = sorted({*empty_steps(self._h, run_id), *trl})
+        new = no_token_steps(self._h, run_id, params)
         if not new:
             return
         rs = self.state.run(run_id, name)
         new = rs.new_noted(EmptyBatchNote.kind, new)
         if not new:
             return
-        self._dispatcher(run_id, rs).note(EmptyBatchNote(run_id, name, new, truncated=bool(set(new) & set(trl))))
+        self._dispatcher(run_id, rs).note(EmptyBatchNote(run_id, name, new, truncated=bool(
+            set(new) & set(truncated_masked_steps(self._h, run_id, params)))))
         rs.note(EmptyBatchNote.kind, new)
         self.state.save()
         self._notes += 1
