@@ -224,6 +224,22 @@ class Divergence:
             return f"not compared (0 steps{after})"
         return f"not enough steps ({self.steps_compared} compared, {self.steps_needed} needed{after})"
 
+    @property
+    def size(self) -> str:
+        """The first departure's size for a table, in metric units and relative to the reference, no sd
+        (a column of its own: `sigma_cell`): "1.263 vs 1 (+26%)", "exactly 0 at 62% of steps vs 30%",
+        "noise x3.2 the reference's", "non-finite where the references are finite"; "" with none."""
+        if self.kind is None:
+            return ""
+        if self.kind == "nonfinite":
+            return "non-finite where the references are finite"
+        if self.kind == "zero_rate":
+            return zero_rate_text(self.candidate_level, self.reference_level)
+        if self.kind == "variance":
+            ratio = self.first.delta_sigma if self.first is not None else float("nan")
+            return f"noise x{ratio:.1f} the reference's" if math.isfinite(ratio) else "noise larger than the reference's"
+        return size_text(self.candidate_level, self.reference_level)
+
     def _uncompared_tail(self) -> str:
         n = self.steps_after_references
         return f"{n} later step{'' if n == 1 else 's'} not compared"
@@ -259,8 +275,20 @@ def sigma_text(x: float) -> str:
     return f"{x:+.1f} sd"
 
 
-def size_text(candidate: float, reference: float, delta_sigma: float) -> str:
-    """"1.263 vs 1 (+26%, +8.0 sd)": metric units first, relative to the reference, sd last and bounded."""
+def sigma_cell(x) -> str:
+    """A table's sigma cell, bounded as `sigma_text`: "+8.2", ">+1000" (also a reference with no noise,
+    where it is inf), "<-1000"; "-" where it is undefined (None, NaN: no departure, a non-finite,
+    zero-rate or variance one)."""
+    if x is None or not isinstance(x, (int, float, np.floating)) or math.isnan(x):
+        return "-"
+    if abs(x) >= 1000:
+        return ">+1000" if x > 0 else "<-1000"
+    return f"{x:+.1f}"
+
+
+def size_text(candidate: float, reference: float, delta_sigma: float = float("nan")) -> str:
+    """"1.263 vs 1 (+26%, +8.0 sd)": metric units first, relative to the reference, sd last and bounded
+    (left out where `delta_sigma` is NaN)."""
     if not (math.isfinite(candidate) and math.isfinite(reference)):
         return sigma_text(delta_sigma)
     rel = (candidate - reference) / abs(reference) if reference else float("nan")
@@ -432,7 +460,8 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
 DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
                       "first_nonfinite_step", "steps_compared", "steps_needed", "alert_step", "detectable",
                       "candidate_level", "reference_level", "steps_after_references", "references_end_step",
-                      "status"]
+                      "status", "size"]
+DERIVED_COLUMNS = ("status", "size")  # properties of a Divergence, not fields: a row rebuilds one without them
 
 
 def compare_runs(histories: Histories, reference_ids: Sequence[str], candidate_ids: Sequence[str],

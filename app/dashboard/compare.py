@@ -133,7 +133,8 @@ def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], 
     if len(table) and st.toggle("Every onset (candidate x metric)", key="compare.divergence.all"):
         st.dataframe(table, hide_index=True, key="compare.divergence", column_config={
             "delta": st.column_config.NumberColumn(format="%.4g"),
-            "delta_sigma": st.column_config.NumberColumn("delta (sigma)", format="%.1f")})
+            "size": st.column_config.TextColumn("size (vs reference)"),
+            "delta_sigma": st.column_config.TextColumn("delta (sigma)")})
 
 
 def page_keys(metric_keys: list[str]) -> tuple[str, ...]:

@@ -22,7 +22,8 @@ import streamlit as st
 
 from rldiag.app.analysis.causes import RunCauses, likely_causes
 from rldiag.app.analysis.config_diff import RunConfig, config_diff, load_configs
-from rldiag.app.analysis.divergence import CandidateSummary, Divergence, DivergenceConfig, compare_runs, summarize
+from rldiag.app.analysis.divergence import (CandidateSummary, Divergence, DivergenceConfig, compare_runs,
+                                             sigma_cell, summarize)
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.disk_cache import DiskCache
 from rldiag.app.data.histories import Histories, load_histories
@@ -319,10 +320,11 @@ def divergence_rows(divs: Mapping[str, Mapping[str, Divergence]], labels: Mappin
     """One row per (candidate, metric) that left the reference band, earliest onset first (the rest,
     within the band or on too few steps, per candidate: `rldiag.app.analysis.divergence.summarize`)."""
     rows = [{"candidate": labels.get(c, c), "metric": key, "onset_step": d.onset_step, "kind": d.kind,
-             "end_step": d.end_step, "delta": d.delta, "delta_sigma": d.delta_sigma,
-             "first_nonfinite_step": d.first_nonfinite_step}
+             "end_step": d.end_step, "delta": d.delta, "size": d.size or "-",
+             "delta_sigma": sigma_cell(d.delta_sigma), "first_nonfinite_step": d.first_nonfinite_step}
             for key, by_cand in divs.items() for c, d in by_cand.items() if d.diverged]
-    cols = ["candidate", "metric", "onset_step", "kind", "end_step", "delta", "delta_sigma", "first_nonfinite_step"]
+    cols = ["candidate", "metric", "onset_step", "kind", "end_step", "delta", "size", "delta_sigma",
+            "first_nonfinite_step"]
     return pd.DataFrame(rows, columns=cols).sort_values(["onset_step", "candidate"], kind="stable",
                                                         ignore_index=True)
 

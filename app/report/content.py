@@ -20,6 +20,7 @@ import pandas as pd
 from rldiag.app.analysis.causes import RunCauses, likely_causes
 from rldiag.app.analysis.config_diff import RunConfig, config_diff
 from rldiag.app.analysis.divergence import (
+    DERIVED_COLUMNS,
     DIVERGENCE_COLUMNS,
     CandidateSummary,
     Divergence,
@@ -243,7 +244,7 @@ def divergence_sentence(row: dict, label: str) -> str:
 def status_text(row: dict) -> str:
     """A `divergence` row's status in words (`Divergence.evidence`): "diverged", "within the band",
     "not enough steps (8 compared, 15 needed)", "not compared (0 steps)"."""
-    return Divergence(**{f: row[f] for f in DIVERGENCE_COLUMNS[1:] if f != "status"}).evidence
+    return Divergence(**{f: row[f] for f in DIVERGENCE_COLUMNS[1:] if f not in DERIVED_COLUMNS}).evidence
 
 
 def _plural(n: int, word: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 from functools import cache
 
+from rldiag.app.analysis.divergence import sigma_cell
 from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.analysis.step_events import step_event_lines
 from rldiag.app.analysis.worst_tokens import worst_token_lines
@@ -106,7 +107,7 @@ def _divergence(c: ReportContent) -> str:
         s = summaries.get(r["run_id"])
         rows.append(([e(labels[r["run_id"]]), e(r["key"]), e(status_text(r)), fmt(r["onset_step"]), e(r["kind"] or "-"),
                       fmt(r["end_step"]) if r["onset_step"] is None or r["end_step"] is not None else "(to the end)",
-                      fmt_stat(r["delta"], 3), fmt_stat(r["delta_sigma"], 3), fmt(r["first_nonfinite_step"]),
+                      fmt_stat(r["delta"], 3), e(r["size"]) or "-", sigma_cell(r["delta_sigma"]), fmt(r["first_nonfinite_step"]),
                       fmt(r["steps_compared"]), e(metric_note(s, r["key"]) if s else "") or "-"],
                      {"diverged": "hit", "not_enough_steps": "thin"}.get(r["status"], "")))
     needed = c.summaries[0].steps_needed if c.summaries else None
@@ -115,8 +116,9 @@ def _divergence(c: ReportContent) -> str:
             if needed else "")
     if c.reference_note:
         note += f'<p class="note">{e(c.reference_note)}</p>'
-    return (note + _table(["candidate", "metric", "status", "onset step", "kind", "end step", "delta", "delta (sigma)",
-                      "first non-finite step", "steps compared", "note"], rows, {3, 5, 6, 7, 8, 9}))
+    return (note + _table(["candidate", "metric", "status", "onset step", "kind", "end step", "delta",
+                      "size (vs reference)", "delta (sigma)", "first non-finite step", "steps compared", "note"],
+                      rows, {3, 5, 6, 8, 9, 10}))
 
 
 def _causes(c: ReportContent) -> str:

@@ -7,6 +7,7 @@ table cell, open a link or inject HTML. Long tables are cut at `MAX_ROWS`; the H
 
 from __future__ import annotations
 
+from rldiag.app.analysis.divergence import sigma_cell
 from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.analysis.step_events import step_event_lines
 from rldiag.app.analysis.worst_tokens import worst_token_lines
@@ -78,11 +79,12 @@ def render_markdown(c: ReportContent) -> str:
     hits = div[div["status"] == "diverged"].to_dict("records")
     if hits:
         out.append("")
-        out += _table(["candidate", "metric", "onset step", "kind", "end step", "delta", "delta (sigma)",
-                       "first non-finite step"],
+        out += _table(["candidate", "metric", "onset step", "kind", "end step", "delta", "size (vs reference)",
+                       "delta (sigma)", "first non-finite step"],
                       [[md(labels[r["run_id"]]), md(r["key"]), fmt(r["onset_step"]), md(r["kind"]),
                         fmt(r["end_step"]) if r["end_step"] is not None else "(to the end)", fmt_stat(r["delta"], 3),
-                        fmt_stat(r["delta_sigma"], 3), fmt(r["first_nonfinite_step"])] for r in hits], "llrlrrrr")
+                        md(r["size"]) or "-", sigma_cell(r["delta_sigma"]), fmt(r["first_nonfinite_step"])]
+                       for r in hits], "llrlrrlrr")
     thin = div[div["status"] == "not_enough_steps"].to_dict("records")
     if thin:
         out.append("")

@@ -9,7 +9,8 @@ import pytest
 
 from bench.divergence_data import trace
 from bench.divergence_rl import NO_CHANGE, every, make_set, scenario
-from rldiag.app.analysis.divergence import DivergenceConfig, departure_text, detect_divergence, sigma_text
+from rldiag.app.analysis.divergence import (DivergenceConfig, departure_text, detect_divergence, sigma_cell,
+                                            sigma_text)
 from rldiag.app.data.trace import Trace
 
 
@@ -75,6 +76,22 @@ def test_magnitudes_in_metric_units_first_and_sigma_bounded():
     text = departure_text("ratio mean", d.first)
     assert text == "ratio mean 1.263 vs 1 (+26%, >1000 sd) from step 1", text
     assert sigma_text(2.04) == "+2.0 sd" and sigma_text(-5e6) == "<-1000 sd" and sigma_text(float("nan")) == ""
+    # a table shows the size and the sd in cells of their own, both bounded: never "inf" or "8160.0"
+    assert d.size == "1.263 vs 1 (+26%)" and sigma_cell(d.delta_sigma) == ">+1000"
+    assert [sigma_cell(x) for x in (2.04, -1.96, float("-inf"), 1e4, float("nan"), None)] == [
+        "+2.0", "-2.0", "<-1000", ">+1000", "-", "-"]
+
+
+@pytest.mark.parametrize("change,size", [("variance", r"noise x\d+\.\d the reference's"),
+                                         ("nan", "non-finite where the references are finite")])
+def test_size_of_a_departure_that_is_not_a_level_shift(change, size):
+    import re
+
+    s = scenario(3, change)
+    d = detect_divergence(list(s.references), s.candidate)
+    assert d.kind == {"variance": "variance", "nan": "nonfinite"}[change], d.departures
+    assert re.fullmatch(size, d.size), d.size
+    assert sigma_cell(d.delta_sigma) == "-"  # no level departure, no sd: a dash, not "nan"
 
 
 def test_options_from_the_command_line():
