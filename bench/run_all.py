@@ -35,7 +35,7 @@ COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 
 
 def splice_readme(readme: Path, md: str) -> bool:
-    """Put the table between README's `<!-- bench-table ... -->` and `<!-- /bench-table -->` lines."""
+    """Put the table between bench/README.md's `<!-- bench-table ... -->` and `<!-- /bench-table -->` lines."""
     text = readme.read_text()
     start = text.find("<!-- bench-table")
     end = text.find("<!-- /bench-table -->")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     md = table()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "README-table.md").write_text(md)
-    splice_readme(repo / "README.md", md)
+    splice_readme(repo / "bench" / "README.md", md)
     print("\n" + md)
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
