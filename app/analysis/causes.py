@@ -71,17 +71,23 @@ class RunCauses:
     causes: tuple[Cause, ...]
     also_differs: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()  # "cause check failed: <check> (<error>)", one per check that raised
 
     @property
     def first(self) -> Cause | None:
         return self.causes[0] if self.causes else None
 
     def line(self) -> str:
-        """One plain-text line: "likely: <first cause>" (+N more), or "no likely cause: <notes>", or ""."""
+        """One plain-text line: "likely: <first cause>" (+N more), or "no likely cause: <notes>", then each
+        failed check; or "". A failed check never leaves "no likely cause" unqualified."""
+        parts = list(self.failed)
         if self.first is not None:
             more = f" (+{len(self.causes) - 1} more)" if len(self.causes) > 1 else ""
-            return f"likely: {self.first.text()}{more}"
-        return f"no likely cause: {'; '.join(self.notes)}" if self.notes else ""
+            parts.insert(0, f"likely: {self.first.text()}{more}")
+        elif self.notes:
+            lead = "no likely cause among the checks that ran" if self.failed else "no likely cause"
+            parts.insert(0, f"{lead}: {'; '.join(self.notes)}")
+        return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -237,9 +243,9 @@ def _after_updates(r: _Run) -> list[Cause]:
 def _origin(r: _Run) -> tuple[str, str]:
     """(where, text) of the first alert that says where the NaN entered (collectors/nan_origin.py), or ("", "")."""
     for e in r.alerts:
-        o = e.get("origin") or {}
-        if o.get("where"):
-            return o["where"], f"the alert at step {e.get('step')}: {o.get('text', o['where'])}"
+        o = e.get("origin")
+        if isinstance(o, Mapping) and o.get("where"):
+            return str(o["where"]), f"the alert at step {e.get('step')}: {o.get('text', o['where'])}"
     return "", ""
 
 
@@ -262,7 +268,7 @@ def _padding(r: _Run) -> list[Cause]:
            "torch.where(mask, logprobs, 0)) before any exp/log, as the TRL fix does")
     if bxa is None:
         return [Cause("padding_inf", "-inf padding reaching the loss's backward", tuple(sig), (), fix, SEED_TRL,
-                      hint="metrics only: the run logged no batch size or accumulation", step=nf.steps[0])]
+                      hint=f"metrics only: {S.batch_unread(r.params)}", step=nf.steps[0])]
     n, text = bxa
     if n <= 1:
         return []
@@ -325,24 +331,6 @@ def _optimizer(r: _Run) -> list[Cause]:
                   step=step)]
 
 
-def _also_differs(params: Mapping[str, str], diffs: Mapping[str, tuple[str | None, str | None]],
-                  cited: set[str]) -> tuple[str, ...]:
-    """Engine settings that differ from the references' and no cause used. A `.requested` knob is said
-    only where the engine runs otherwise ("requested True, in effect False": the build overrode it)."""
-    out = []
-    for k, v in diffs.items():
-        if not k.startswith(S.ENGINE) or k in cited or k in ("engine.model", "engine.seed"):
-            continue
-        if k.endswith(".requested"):
-            base = k.removesuffix(".requested")
-            if base in diffs or base in cited or base not in params:
-                continue
-            out.append(f"{base} requested {v[0]} (the references: {v[1]}), in effect {params[base]} on this build")
-        else:
-            out.append(S.vs(k, v))
-    return tuple(out)
-
-
 RULES: tuple[Callable[[_Run], list[Cause]], ...] = (_semantics, _precision, _after_updates, _padding, _nan_filter,
                                                     _optimizer)
 
@@ -356,8 +344,9 @@ def likely_causes(histories: Histories, configs: Mapping[str, object], reference
     (`rldiag.app.analysis.divergence.summarize`) add the detector's departures as evidence; `alerts`
     (`rldiag.app.data.alerts.load_alert_events`) the NaN's positions."""
     def params(run: str) -> Mapping[str, str]:
-        c = configs.get(run, {})
-        return dict(getattr(c, "params", c))
+        """The run's params as strings (MLflow's form: None -> "None"); {} where they are not a mapping."""
+        c = getattr(configs.get(run) or {}, "params", configs.get(run) or {})
+        return {str(k): str(v) for k, v in c.items()} if isinstance(c, Mapping) else {}
 
     refs = tuple(dict.fromkeys(reference_ids))
     ref_params = tuple(params(r) for r in refs)
@@ -365,26 +354,47 @@ def likely_causes(histories: Histories, configs: Mapping[str, object], reference
     out = []
     for cand in candidate_ids:
         mine = params(cand)
-        diffs = S.differing(mine, ref_params) if ref_params and mine else {}  # nothing to compare: no difference
-        start = first_step(histories, cand)
-        found = [d for d in getattr(by_summary.get(cand), "departures", ())
-                 if d.kind != "nonfinite" and start is not None and d.onset_step > start]
-        departures = tuple(f"{d.key} leaves the reference band at step {d.onset_step} (delta {d.delta:+.3g})"
-                           for d in found)
-        r = _Run(histories, cand, refs, mine, ref_params, diffs, parity(histories, cand, refs),
-                 nonfinite_signature(histories, cand), departures, tuple((alerts or {}).get(cand, ())))
-        causes = [c for rule in RULES for c in rule(r)]
+        try:
+            r = _read(histories, cand, refs, mine, ref_params, by_summary.get(cand), (alerts or {}).get(cand, ()))
+        except Exception as e:  # noqa: BLE001 - one candidate's unreadable signatures never stop a report
+            out.append(RunCauses(cand, (), failed=(_failed("reading the metric signatures", e),)))
+            continue
+        causes, failed = [], []
+        for rule in RULES:
+            try:
+                causes += rule(r)
+            except Exception as e:  # noqa: BLE001 - one check's bug never hides the others or the report
+                failed.append(_failed(rule.__name__.strip("_").replace("_", " "), e))
         causes.sort(key=lambda c: (bool(c.hint), c.step))  # confirmed by a setting first, then earliest
-        also = _also_differs(mine, diffs, r.cited)
+        also = S.also_differs(mine, r.diffs, r.cited)
         notes = []
         if not causes:
-            if not diffs:
+            if not r.diffs:
                 notes.append("its params differ from the references' only in seed" if ref_params and mine
                              else "no params to compare")
             if r.nonfinite is not None:
                 notes.append(f"non-finite gradients from step {r.nonfinite.steps[0]}: no known signature fits; "
                              "the NaN events page names the parameters")
-            if r.parity is None and departures:
+            if r.parity is None and r.departures:
                 notes.append("no mismatch metric logged, so engine parity cannot be judged")
-        out.append(RunCauses(cand, tuple(causes), also, tuple(notes)))
+        out.append(RunCauses(cand, tuple(causes), also, tuple(notes), tuple(failed)))
     return out
+
+
+def _read(h: Histories, cand: str, refs: tuple[str, ...], mine: Mapping[str, str],
+          ref_params: tuple[Mapping[str, str], ...], summary: object, alerts: Sequence[dict]) -> _Run:
+    """What the rules read about `cand`: its params' differences, parity, non-finite signature, departures."""
+    diffs = S.differing(mine, ref_params) if ref_params and mine else {}  # nothing to compare: no difference
+    start = first_step(h, cand)
+    found = [d for d in getattr(summary, "departures", ())
+             if d.kind != "nonfinite" and start is not None and d.onset_step > start]
+    departures = tuple(f"{d.key} leaves the reference band at step {d.onset_step} (delta {d.delta:+.3g})"
+                       for d in found)
+    return _Run(h, cand, refs, mine, ref_params, diffs, parity(h, cand, refs), nonfinite_signature(h, cand),
+                departures, tuple(a for a in alerts if isinstance(a, Mapping)))
+
+
+def _failed(check: str, e: Exception) -> str:
+    """ "cause check failed: padding (TypeError: ...)", the error's first line only."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"cause check failed: {check} ({type(e).__name__}{': ' + first if first else ''})"

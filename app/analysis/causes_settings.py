@@ -8,6 +8,7 @@ Names are matched on their last dotted part, so `loop.temperature` (rldiag's exp
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -44,11 +45,13 @@ def has_fingerprint(params: Mapping[str, str]) -> bool:
     return any(k.startswith(ENGINE) for k in params)
 
 
-def number(v: str | None) -> float | None:
+def number(v: object) -> float | None:
+    """`v` as a finite float, or None ("None", "auto", "", NaN, inf, a list: not a number)."""
     try:
-        return float(v) if v is not None else None
-    except ValueError:
+        x = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
         return None
+    return x if math.isfinite(x) else None
 
 
 def sampling(params: Mapping[str, str]) -> dict[str, float]:
@@ -69,15 +72,20 @@ def sampling_known(params: Mapping[str, str]) -> bool:
 
 
 def batch_x_accumulation(params: Mapping[str, str]) -> tuple[int, str] | None:
-    """(batch x accumulation, "batch_size=2 x accumulation=1"), or None when the run logged neither."""
-    b, a = find(params, BATCH_NAMES), find(params, ACCUMULATION_NAMES)
-    if b is None and a is None:
-        return None
-    nb, na = number(b[1]) if b else 1.0, number(a[1]) if a else 1.0
-    if nb is None or na is None:
-        return None
-    text = " x ".join(f"{last(k)}={v}" for k, v in (b, a) if k)  # type: ignore[misc]
-    return int(nb * na), text
+    """(batch x accumulation, "batch_size=2 x accumulation=1"), or None when the run logged neither as a
+    number; a missing partner counts as 1 ("batch_size=4": distillation runs log no accumulation)."""
+    found = [hit for hit in (find(params, BATCH_NAMES), find(params, ACCUMULATION_NAMES)) if hit is not None]
+    nums = [number(v) for _, v in found]
+    n = math.prod(nums) if found and None not in nums else math.nan  # type: ignore[arg-type]
+    return (int(n), " x ".join(f"{last(k)}={v}" for k, v in found)) if math.isfinite(n) else None
+
+
+def batch_unread(params: Mapping[str, str]) -> str:
+    """Why `batch_x_accumulation` is None: "batch_size=auto is not a number", or "the run logged no ..."."""
+    for k, v in (hit for hit in (find(params, BATCH_NAMES), find(params, ACCUMULATION_NAMES)) if hit):
+        if number(v) is None:
+            return f"{k}={v} is not a number"
+    return "the run logged no batch size or accumulation"
 
 
 def bits(dtype: str | None) -> int | None:
@@ -116,3 +124,21 @@ def vs(key: str, pair: tuple[str | None, str | None]) -> str:
     """ "engine.logprobs_mode raw_logprobs vs processed_logprobs" (the reference's value second)."""
     mine, theirs = pair
     return f"{key} {mine if mine is not None else '(not set)'} vs {theirs if theirs is not None else '(not set)'}"
+
+
+def also_differs(params: Mapping[str, str], diffs: Mapping[str, tuple[str | None, str | None]],
+                 cited: set[str]) -> tuple[str, ...]:
+    """Engine settings that differ from the references' and no cause used. A `.requested` knob is said
+    only where the engine runs otherwise ("requested True, in effect False": the build overrode it)."""
+    out = []
+    for k, v in diffs.items():
+        if not k.startswith(ENGINE) or k in cited or k in ("engine.model", "engine.seed"):
+            continue
+        if k.endswith(".requested"):
+            base = k.removesuffix(".requested")
+            if base in diffs or base in cited or base not in params:
+                continue
+            out.append(f"{base} requested {v[0]} (the references: {v[1]}), in effect {params[base]} on this build")
+        else:
+            out.append(vs(k, v))
+    return tuple(out)

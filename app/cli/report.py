@@ -97,18 +97,26 @@ def _all_groups(args: argparse.Namespace, out: Path, metrics, progress) -> int:
         raise CliError("no rldiag.group has both reference and candidate runs"
                        + (f" in experiment {args.experiment!r}" if args.experiment else "")
                        + f"; tag runs {K.TAG_ROLE}=reference / candidate and rldiag.group=G")
+    failed = []
     for g in groups:
         progress(f"group {g!r} ({groups.index(g) + 1} of {len(groups)})")
         try:
             report = build_report(args.tracking_uri, group=g, experiment=args.experiment, keys=metrics,
                                   progress=progress)
             written = report.write(out / _safe(g) / DEFAULT_HTML, out / _safe(g) / DEFAULT_MARKDOWN)
-        except (DataError, ValueError) as e:
-            raise CliError(f"group {g!r}: {e}") from None
         except OSError as e:
             raise CliError(f"cannot write the report ({e}); pass --out DIR somewhere writable") from None
+        except Exception as e:  # noqa: BLE001 - one group's failure never costs the other groups their report
+            why = str(e) if isinstance(e, (DataError, ValueError)) else f"{type(e).__name__}: {e} (a bug in rldiag)"
+            print(f"rldiag report: group {g!r}: no report: {why.splitlines()[0] if why else type(e).__name__}",
+                  file=sys.stderr, flush=True)
+            failed.append(g)
+            continue
         print(f"## group {g}: wrote {', '.join(str(p) for p in written)}")
         for line in departure_lines(report):
             print(line)
-    return 0
+    if failed:
+        print(f"rldiag report: {len(failed)} of {len(groups)} groups got no report: {', '.join(failed)}",
+              file=sys.stderr)
+    return 1 if failed else 0
 
