@@ -40,10 +40,15 @@ WEIGHTED = {
     keys.KL_NEW_OLD_K1: keys.BATCH_TOKENS,
     keys.ENTROPY: keys.BATCH_TOKENS,
     keys.MISMATCH_LOGPROB_MEAN: keys.BATCH_TOKENS,
+    keys.MISMATCH_TOKEN_MULT_PROB_ERROR: keys.BATCH_TOKENS,
+    keys.MISMATCH_LOW_PROB_SHARE: keys.BATCH_TOKENS,
     keys.CLIP_RATE_SEQ: keys.BATCH_SEQUENCES,
+    keys.RATIO_MEAN_SEQ: keys.BATCH_SEQUENCES,
     keys.REWARD_MEAN: keys.BATCH_REWARDS,
 }
-MAXED = {keys.RATIO_MAX, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX}
+MAXED = {keys.RATIO_MAX, keys.RATIO_MAX_SEQ, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX}
+MINNED = {keys.RATIO_MIN, keys.RATIO_MIN_SEQ}  # reduced as -max(-x), in the same MAX all-reduce
+# policy/ess and policy/ess_seq are not decomposable from a rank's ESS and count: the mean over ranks
 COUNTS = {keys.BATCH_TOKENS, keys.BATCH_SEQUENCES, keys.BATCH_REWARDS}
 
 
@@ -86,7 +91,7 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
     """Reduce `[total_norm, norm_0.., values..]` across ranks, on the device, without a host sync.
 
     Token/sequence/sample means become weighted means over all ranks; std of rewards is pooled exactly
-    from each rank's mean, std and count; maxima take the max; batch counts are summed; any other
+    from each rank's mean, std and count; maxima take the max, minima the min; batch counts are summed; any other
     value is averaged over ranks. The total norm is `sqrt(sum of squares)` when gradients are
     `sharded` (FSDP), else (replicated, DDP) the largest rank's, NaN if any rank's is NaN. `split`
     (`gradcheck.shard_split`: `[squares that add up across ranks, norm of the replicated rest]`) mixes
@@ -119,12 +124,12 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
             n, m = v[idx[keys.BATCH_REWARDS]], v[idx[keys.REWARD_MEAN]]
             at[k], how[k] = len(sums), "pooled_std"
             sums.append((n - 1).clamp(min=0) * x * x + n * m * m)  # this rank's sum of squares
-        elif k in MAXED:
-            how[k] = "max"
+        elif k in MAXED or k in MINNED:
+            how[k] = "max" if k in MAXED else "min"
         else:
             at[k], how[k] = len(sums), ("sum" if k in COUNTS else "rank_mean")
             sums.append(x)
-    max_keys = [k for k in value_keys if how[k] == "max"]
+    max_keys = [k for k in value_keys if how[k] in ("max", "min")]
     # a fixed-size header first: the key sets compared (every rank reads the same answer, so all raise
     # together) before any collective whose size depends on them
     fp = key_fingerprint(value_keys)
@@ -137,7 +142,7 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
         raise _key_mismatch(value_keys, step, group)
     s = torch.stack(sums)
     dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
-    mx = torch.stack([header[2]] + [v[idx[k]] for k in max_keys])
+    mx = torch.stack([header[2]] + [v[idx[k]] if how[k] == "max" else -v[idx[k]] for k in max_keys])
     if max_keys:
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
     gathered = None
@@ -164,7 +169,7 @@ def reduce_step(vec: Tensor, n_norms: int, value_keys: list[str], *, sharded: bo
         elif how[k] == "rank_mean":
             out[idx[k]] = s[at[k]] / world
     for i, k in enumerate(max_keys, start=1):
-        out[idx[k]] = mx[i]
+        out[idx[k]] = mx[i] if how[k] == "max" else -mx[i]
     return Reduced(out, s[0], gathered, s[3])
 
 

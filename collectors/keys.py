@@ -14,6 +14,15 @@ CLIP_ACTIVE_RATE = "policy/clip_active_rate"
 CLIP_RATE_SEQ = "policy/clip_rate_seq"
 RATIO_MEAN = "policy/ratio_mean"
 RATIO_MAX = "policy/ratio_max"
+RATIO_MIN = "policy/ratio_min"
+# Importance-sampling health against the rollout policy (lp_old, the engine's). The sequence ratio is GSPO's
+# s_i = exp(mean_t(lp_new - lp_old)), the geometric mean of a sequence's token ratios; ESS is normalised,
+# (sum w)^2 / (n sum w^2) in (0, 1], of the token ratios (POLICY_ESS) or of the sequence ratios (_SEQ).
+RATIO_MIN_SEQ = "policy/ratio_min_seq"
+RATIO_MEAN_SEQ = "policy/ratio_mean_seq"
+RATIO_MAX_SEQ = "policy/ratio_max_seq"
+POLICY_ESS = "policy/ess"
+POLICY_ESS_SEQ = "policy/ess_seq"
 KL_NEW_OLD = "policy/kl_new_old"
 KL_NEW_OLD_K1 = "policy/kl_new_old_k1"
 # KL to a frozen reference model as the trainer computes it (TRL `kl`, the beta term): not new/old
@@ -28,6 +37,11 @@ REWARD_STD = "reward/std"
 MISMATCH_LOGPROB_MEAN = "mismatch/logprob_abs_diff_mean"
 MISMATCH_LOGPROB_MAX = "mismatch/logprob_abs_diff_max"
 MISMATCH_PROB_MAX = "mismatch/prob_abs_diff_max"
+# NeMo-RL's token_mult_prob_error (masked mean of exp|lp_trainer - lp_engine|, 1.0 at parity) and the share of
+# valid sampled tokens the engine gave probability under LOW_PROB_THRESHOLD (metrics.py has the definitions)
+MISMATCH_TOKEN_MULT_PROB_ERROR = "mismatch/token_mult_prob_error"
+MISMATCH_LOW_PROB_SHARE = "mismatch/low_prob_share"
+LOW_PROB_THRESHOLD = 1e-3
 # The step's worst token (largest |lp_trainer - lp_engine|): where to look, not curves to chart, so not in
 # CANONICAL_METRICS. sample/position/token_id are -1 when the step had no valid token (token_id also
 # when the trainer passed no token ids).
@@ -75,6 +89,12 @@ CANONICAL_METRICS: tuple[str, ...] = (
     CLIP_RATE_SEQ,
     RATIO_MEAN,
     RATIO_MAX,
+    RATIO_MIN,
+    RATIO_MEAN_SEQ,
+    RATIO_MIN_SEQ,
+    RATIO_MAX_SEQ,
+    POLICY_ESS,
+    POLICY_ESS_SEQ,
     KL_NEW_OLD,
     KL_NEW_OLD_K1,
     KL_REF,
@@ -84,6 +104,8 @@ CANONICAL_METRICS: tuple[str, ...] = (
     MISMATCH_LOGPROB_MEAN,
     MISMATCH_LOGPROB_MAX,
     MISMATCH_PROB_MAX,
+    MISMATCH_TOKEN_MULT_PROB_ERROR,
+    MISMATCH_LOW_PROB_SHARE,
     GRAD_NORM,
     GRAD_FINITE,
     GRAD_NONFINITE_PARAMS,

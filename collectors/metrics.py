@@ -14,6 +14,7 @@ Definitions: DESIGN.md, "Canonical metrics".
 from __future__ import annotations
 
 from collections.abc import Mapping
+import math
 from typing import NamedTuple
 
 import torch
@@ -177,6 +178,68 @@ def ratio_stats(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> R
     return _ratio_stats(r, m)
 
 
+def _ess(log_w: Tensor, m: Tensor, count: Tensor) -> Tensor:
+    """Normalised effective sample size `(sum w)^2 / (n sum w^2)` of `w = exp(log_w)` over `m`, in (0, 1].
+    Scale-free, so computed on `w / max w` (no overflow of `w^2`); 1.0 when nothing is valid (no evidence)."""
+    if not m.numel():
+        return log_w.new_ones(())
+    top = torch.where(m, log_w, log_w.new_full((), float("-inf"))).amax()
+    w = torch.where(m, (log_w - top).exp(), log_w.new_zeros(()))
+    s1, s2 = torch.stack([w, w * w]).flatten(1).sum(1).unbind()
+    return torch.where(count > 0, s1 * s1 / (count.clamp(min=1) * s2), log_w.new_ones(())).detach()
+
+
+class ImportanceStats(NamedTuple):
+    """Importance-sampling health of a batch against the rollout policy (`lp_old`): token ratios `r` and
+    sequence ratios `s_i` (GSPO's, the geometric mean of a row's token ratios), min/mean/max over valid
+    tokens (sequences), and the normalised ESS of each (1.0 on-policy; a drop precedes collapse)."""
+
+    ratio_min: Tensor
+    ratio_mean: Tensor
+    ratio_max: Tensor
+    ratio_min_seq: Tensor
+    ratio_mean_seq: Tensor
+    ratio_max_seq: Tensor
+    ess: Tensor
+    ess_seq: Tensor
+
+
+def _sequence_stats(lr: Tensor, m: Tensor) -> tuple[Tensor, ...]:
+    """(seq min, seq mean, seq max, seq ESS, seq valid count, seq ratios) over the rows with a valid token."""
+    seq_lr = lr.sum(-1) / m.sum(-1).clamp(min=1)
+    s, sv = seq_lr.exp(), m.any(-1)
+    n = sv.sum()
+    mean = 1.0 + _masked_means([s - 1.0], sv, n.clamp(min=1))[0]
+    mx, neg_mn = _masked_maxes([s, -s], sv, [1.0, -1.0]).unbind()
+    return -neg_mn, mean, mx, _ess(seq_lr, sv, n), n, s
+
+
+@torch.no_grad()
+def importance_stats(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> ImportanceStats:
+    """Importance ratios `r = exp(lp_new - lp_old)` per token and `s_i = exp(mean_t log r)` per sequence
+    (min/mean/max, 1.0 when empty) and the normalised effective sample size of each: token level
+    `(sum r)^2 / (n_tokens sum r^2)` over the batch's valid tokens, sequence level the same over the `s_i`
+    of the rows with a valid token. `[B, T]` logprobs (the sequence level needs rows)."""
+    m, lr, r = _prepared(lp_new, lp_old, mask, rows=True)
+    mean = 1.0 + masked_mean(r - 1.0, m)
+    mx, neg_mn = _masked_maxes([r, -r], m, [1.0, -1.0]).unbind()
+    smn, smean, smx, sess, _, _ = _sequence_stats(lr, m)
+    return ImportanceStats(-neg_mn, mean, mx, smn, smean, smx, _ess(lr, m, m.sum()), sess)
+
+
+def _below(lp_engine: Tensor, threshold: float) -> Tensor:
+    return (lp_engine.float() < math.log(threshold)).float()
+
+
+@torch.no_grad()
+def low_prob_share(lp_engine: Tensor, mask: Tensor | None = None, *,
+                   threshold: float = keys.LOW_PROB_THRESHOLD) -> Tensor:
+    """Fraction of valid sampled tokens to which the engine gave probability under `threshold`
+    (`exp(lp_engine) < threshold`): where train-inference mismatch concentrates. 0 for an empty batch."""
+    m = _valid(mask, lp_engine)
+    return masked_mean(_below(lp_engine, threshold), m)
+
+
 class KLStats(NamedTuple):
     k3: Tensor
     k1: Tensor
@@ -288,7 +351,10 @@ def _mismatch_terms(lp_trainer: Tensor, lp_engine: Tensor, m: Tensor) -> tuple[T
 
 @torch.no_grad()
 def token_mult_prob_error(lp_trainer: Tensor, lp_engine: Tensor, mask: Tensor | None = None) -> Tensor:
-    """NeMo-RL's `token_mult_prob_error`: masked mean of `exp(|lp_trainer - lp_engine|)` (1.0 at parity)."""
+    """NeMo-RL's `token_mult_prob_error`: masked mean of `exp(|lp_trainer - lp_engine|)` (1.0 at parity),
+    with `lp_trainer` the trainer's logprobs at the rollout weights (NeMo-RL's `prev_logprobs`)."""
+    # NVIDIA-NeMo/RL nemo_rl/algorithms/loss/loss_functions.py (ClippedPGLossFn.__call__): lp_error =
+    # abs(generation_logprobs - prev_logprobs); masked_mean(exp(lp_error * mask), mask) over the valid tokens
     m = _valid(mask, lp_trainer)
     zero = torch.zeros((), dtype=torch.float32, device=lp_trainer.device)
     d = torch.where(m, lp_trainer.float() - lp_engine.float(), zero).abs()
@@ -363,16 +429,23 @@ def policy_metrics(
     `lp_trainer_at_rollout`: the trainer's logprobs at the rollout weights (before any update) for the
     mismatch metrics against `lp_old` (the engine's). On the first minibatch of an on-policy step that
     is `lp_new` itself. With it, the step's worst token (`mismatch/worst/*`: sample, position, both
-    logprobs, and the token id when `token_ids` `[B, T]` are given) rides in the same transfer.
+    logprobs, and the token id when `token_ids` `[B, T]` are given) rides in the same transfer, with
+    NeMo-RL's `mismatch/token_mult_prob_error`.
+
+    Importance-sampling health against the rollout policy (`lp_old`), always: `policy/ratio_min` beside
+    the mean and max, the sequence ratios' `policy/ratio_{min,mean,max}_seq`, the normalised effective
+    sample sizes `policy/ess` (token ratios) and `policy/ess_seq` (sequence ratios) as `importance_stats`
+    defines them, and `mismatch/low_prob_share` (`low_prob_share` of `lp_old`).
     """
     m, lr, r = _prepared(lp_new, lp_old, mask, rows=True)  # once, for every ratio-based metric
     count = m.sum()
     seq_valid = m.any(-1)
     # Every token-level mean in one masked sum and every max in one masked max: the few dozen tiny ops
     # these metrics are one at a time cost more in dispatch than in arithmetic (bench.overhead).
-    means: dict[str, Tensor] = {keys.CLIP_RATE: _outside(r, eps_low, eps_high), keys.RATIO_MEAN: r - 1.0}
+    means: dict[str, Tensor] = {keys.CLIP_RATE: _outside(r, eps_low, eps_high), keys.RATIO_MEAN: r - 1.0,
+                                keys.MISMATCH_LOW_PROB_SHARE: _below(lp_old, keys.LOW_PROB_THRESHOLD)}
     means.update(zip((keys.KL_NEW_OLD, keys.KL_NEW_OLD_K1), _kl_terms(lr, r)))
-    maxes: dict[str, tuple[Tensor, float]] = {keys.RATIO_MAX: (r, 1.0)}
+    maxes: dict[str, tuple[Tensor, float]] = {keys.RATIO_MAX: (r, 1.0), keys.RATIO_MIN: (-r, -1.0)}
     if advantages is not None:
         means[keys.CLIP_ACTIVE_RATE] = _active(r, advantages.to(r.device), eps_low, eps_high).float()
     if logits is not None:
@@ -386,19 +459,24 @@ def policy_metrics(
     mm = _mismatch_terms(lp_trainer_at_rollout, lp_old, m) if lp_trainer_at_rollout is not None else None
     if mm is not None:
         means[keys.MISMATCH_LOGPROB_MEAN] = mm[0]
+        means[keys.MISMATCH_TOKEN_MULT_PROB_ERROR] = mm[0].exp() - 1.0  # 0 at masked positions, where |d| is 0
         maxes[keys.MISMATCH_LOGPROB_MAX], maxes[keys.MISMATCH_PROB_MAX] = (mm[0], 0.0), (mm[1], 0.0)
     mean_v = _masked_means(list(means.values()), m, count.clamp(min=1)).unbind()
     max_v = _masked_maxes([x for x, _ in maxes.values()], m, [e for _, e in maxes.values()]).unbind()
     got = dict(zip(means, mean_v)) | dict(zip(maxes, max_v))
     got[keys.RATIO_MEAN] = 1.0 + got[keys.RATIO_MEAN]
+    got[keys.RATIO_MIN] = -got[keys.RATIO_MIN]
+    smn, smean, smx, sess, n_seq, s = _sequence_stats(lr, m)
     out: dict[str, Tensor] = {
         keys.BATCH_TOKENS: count.float(),
-        keys.BATCH_SEQUENCES: seq_valid.sum().float(),
+        keys.BATCH_SEQUENCES: n_seq.float(),
         keys.CLIP_RATE: got[keys.CLIP_RATE],
-        keys.CLIP_RATE_SEQ: masked_mean(_outside(_sequence_ratio(lr, m), eps_low, eps_high), seq_valid),
+        keys.CLIP_RATE_SEQ: masked_mean(_outside(s, eps_low, eps_high), seq_valid),
+        keys.RATIO_MIN_SEQ: smn, keys.RATIO_MEAN_SEQ: smean, keys.RATIO_MAX_SEQ: smx,
+        keys.POLICY_ESS: _ess(lr, m, count), keys.POLICY_ESS_SEQ: sess,
     }
-    for key in (keys.CLIP_ACTIVE_RATE, keys.RATIO_MEAN, keys.RATIO_MAX, keys.KL_NEW_OLD, keys.KL_NEW_OLD_K1,
-                keys.ENTROPY):
+    for key in (keys.CLIP_ACTIVE_RATE, keys.RATIO_MEAN, keys.RATIO_MAX, keys.RATIO_MIN, keys.KL_NEW_OLD,
+                keys.KL_NEW_OLD_K1, keys.ENTROPY, keys.MISMATCH_LOW_PROB_SHARE):
         if key in got:
             out[key] = got[key]
     if rewards is not None:
@@ -406,7 +484,9 @@ def policy_metrics(
         out[keys.REWARD_MEAN], out[keys.REWARD_STD] = rw.mean, rw.std
         out[keys.BATCH_REWARDS] = rewards.new_full((), float(rewards.numel()), dtype=torch.float32)
     if mm is not None:
-        for key in (keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX):
+        got[keys.MISMATCH_TOKEN_MULT_PROB_ERROR] = 1.0 + got[keys.MISMATCH_TOKEN_MULT_PROB_ERROR]
+        for key in (keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX,
+                    keys.MISMATCH_TOKEN_MULT_PROB_ERROR):
             out[key] = got[key]
     if lp_trainer_at_rollout is not None and lp_old.dim() <= 2:
         w = worst_tokens(lp_trainer_at_rollout, lp_old, m, token_ids=token_ids, k=1)

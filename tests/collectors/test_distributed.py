@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -62,6 +63,11 @@ def test_nan_on_one_rank(tmp_path, sqlite_uri):
     # Rewards pooled over ranks: [1, 3, 5] -> mean 3, sample std 2.
     assert hist("reward/mean")[0] == pytest.approx(3.0)
     assert hist("reward/std")[0] == pytest.approx(2.0)
+    # Minima and maxima over ranks, not their mean: token ratios e^0.5, 1, 1 (rank 0) and e^0.5 (rank 1) -> min
+    # 1.0; sequence ratios exp(0.5 / 3) = 1.18136 (rank 0) and e^0.5 = 1.64872 (rank 1)
+    assert hist("policy/ratio_min")[0] == pytest.approx(1.0)
+    assert hist("policy/ratio_min_seq")[0] == pytest.approx(math.exp(0.5 / 3), rel=1e-6)
+    assert hist("policy/ratio_max_seq")[0] == pytest.approx(math.exp(0.5), rel=1e-6)
     # Per-rank values on request.
     assert hist("rank0/policy/clip_rate")[0] == pytest.approx(1 / 3)
     assert hist("rank1/policy/clip_rate")[0] == pytest.approx(1.0)

@@ -15,8 +15,10 @@ from rldiag.collectors.metrics import (
     clip_active_rate,
     clip_rate,
     entropy_from_logits,
+    importance_stats,
     kl_new_old,
     logprob_mismatch,
+    low_prob_share,
     masked_max,
     masked_mean,
     pack,
@@ -352,12 +354,20 @@ BASE_KEYS = BATCH_KEYS | {
     keys.CLIP_RATE_SEQ,
     keys.RATIO_MEAN,
     keys.RATIO_MAX,
+    keys.RATIO_MIN,
+    keys.RATIO_MIN_SEQ,
+    keys.RATIO_MEAN_SEQ,
+    keys.RATIO_MAX_SEQ,
+    keys.POLICY_ESS,
+    keys.POLICY_ESS_SEQ,
     keys.KL_NEW_OLD,
     keys.KL_NEW_OLD_K1,
+    keys.MISMATCH_LOW_PROB_SHARE,
 }
 ENTROPY_KEYS = {keys.ENTROPY}
 REWARD_KEYS = {keys.REWARD_MEAN, keys.REWARD_STD, keys.BATCH_REWARDS}
-MISMATCH_KEYS = {keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX, *keys.WORST_TOKEN_KEYS}
+MISMATCH_KEYS = {keys.MISMATCH_LOGPROB_MEAN, keys.MISMATCH_LOGPROB_MAX, keys.MISMATCH_PROB_MAX,
+                 keys.MISMATCH_TOKEN_MULT_PROB_ERROR, *keys.WORST_TOKEN_KEYS}
 
 
 @pytest.mark.parametrize(
@@ -409,11 +419,59 @@ def test_policy_metrics_values_match_the_single_functions():
     #   mean = (2 * 0.3566749 + 2 * 0.2231436 + 2 * 0.6931472) / 6 = 0.4243219; max = log 2
     assert_close(out[keys.MISMATCH_LOGPROB_MEAN], t((-math.log(0.7) + math.log(1.25) + math.log(2.0)) / 3))
     assert_close(out[keys.MISMATCH_LOGPROB_MAX], t(math.log(2.0)))
+    # exp|log r| = 1/0.7 x2, 1.25 x2, 2 x2 -> (2.8571429 + 2.5 + 4) / 6 = 1.5595238
+    assert_close(out[keys.MISMATCH_TOKEN_MULT_PROB_ERROR], t((2 / 0.7 + 2.5 + 4.0) / 6))
+    assert_close(out[keys.MISMATCH_TOKEN_MULT_PROB_ERROR], token_mult_prob_error(lp_new, lp_old, mask))
+    stats = importance_stats(lp_new, lp_old, mask)
+    for key, value in zip(IMPORTANCE_KEYS, stats):
+        assert_close(out[key], value, msg=key)
     # batch sizes: valid tokens 2 + 2 + 2 + 0 = 6; sequences with a valid token = 3 (row 3 is empty);
     # rewards = 4
     assert_close(out[keys.BATCH_TOKENS], t(6.0))
     assert_close(out[keys.BATCH_SEQUENCES], t(3.0))
     assert_close(out[keys.BATCH_REWARDS], t(4.0))
+
+
+# --- importance-sampling health ---------------------------------------------------------------------
+
+IMPORTANCE_KEYS = (keys.RATIO_MIN, keys.RATIO_MEAN, keys.RATIO_MAX, keys.RATIO_MIN_SEQ, keys.RATIO_MEAN_SEQ,
+                   keys.RATIO_MAX_SEQ, keys.POLICY_ESS, keys.POLICY_ESS_SEQ)  # ImportanceStats' order
+
+
+def test_importance_stats_per_token_and_per_sequence_on_the_ragged_batch():
+    s = importance_stats(*batch_from_ratios(RAGGED))
+    # tokens: r = 0.7, 0.7, 1.25, 1.25, 2.0, 0.5 -> min 0.5, mean 6.4 / 6, max 2.0
+    assert_close((s.ratio_min, s.ratio_mean, s.ratio_max), (t(0.5), t(6.4 / 6), t(2.0)))
+    # sequences (row 3 empty, left out): s = 0.7, 1.25, 1.0 -> min 0.7, mean 2.95 / 3, max 1.25
+    assert_close((s.ratio_min_seq, s.ratio_mean_seq, s.ratio_max_seq), (t(0.7), t(2.95 / 3), t(1.25)))
+    # ESS tokens: (sum r)^2 / (n sum r^2) = 6.4^2 / (6 * (2 * 0.49 + 2 * 1.5625 + 4 + 0.25)) = 40.96 / 50.13
+    assert_close(s.ess, t(40.96 / 50.13))
+    # ESS sequences: 2.95^2 / (3 * (0.49 + 1.5625 + 1.0)) = 8.7025 / 9.1575
+    assert_close(s.ess_seq, t(8.7025 / 9.1575))
+
+
+def test_effective_sample_size_is_one_on_policy_and_one_over_n_for_one_dominant_weight():
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.5]])
+    on = importance_stats(lp, lp.clone())
+    assert_close((on.ess, on.ess_seq, on.ratio_min, on.ratio_max_seq), (t(1.0), t(1.0), t(1.0), t(1.0)))
+    # log r = 200 at one token, 0 at three: r = e^200 overflows float32 (r^2 too), yet ESS is scale-free:
+    # (e^200 + 3)^2 / (4 (e^400 + 3)) = 1/4 to within e^-200
+    lp_new = torch.tensor([[200.0, 0.0], [0.0, 0.0]]) - 5.0
+    s = importance_stats(lp_new, torch.full((2, 2), -5.0))
+    assert_close(s.ess, t(0.25))
+    # sequences: s_0 = e^100 (inf in float32), s_1 = 1 -> ESS (1 + e^-100)^2 / (2 (1 + e^-200)) = 1/2
+    assert_close(s.ess_seq, t(0.5))
+
+
+def test_low_prob_share_counts_valid_tokens_the_engine_gave_under_1e_3():
+    ln = math.log
+    lp_engine = torch.tensor([[ln(0.5), ln(0.0009), ln(0.002)], [ln(1e-5), -INF, -INF]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    # valid: 0.5, 0.0009 (<1e-3), 0.002, 1e-5 (<1e-3) -> 2 of 4; the masked -inf (p = 0) is not counted
+    assert_close(low_prob_share(lp_engine, mask), t(0.5))
+    assert_close(low_prob_share(lp_engine, mask, threshold=0.01), t(0.75))  # 0.0009, 0.002, 1e-5
+    out = policy_metrics(torch.zeros_like(lp_engine), lp_engine, mask)
+    assert_close(out[keys.MISMATCH_LOW_PROB_SHARE], t(0.5))
 
 
 # --- edge cases: empty rows, all-masked batches, -inf sentinels ---------------------------------------
@@ -460,8 +518,9 @@ def test_sentinels_at_padding_never_reach_any_metric(pad_new, pad_old, pad_logit
     # Same values as on the valid tokens alone, flattened into one row: padding changes nothing.
     clean_new, clean_old = lp_new[mask][None, :], lp_old[mask][None, :]
     flat = policy_metrics(clean_new, clean_old, logits=logits[mask][None, :], lp_trainer_at_rollout=clean_new)
-    token_level = [keys.CLIP_RATE, keys.RATIO_MEAN, keys.RATIO_MAX, keys.KL_NEW_OLD, keys.KL_NEW_OLD_K1,
-                   keys.ENTROPY, keys.BATCH_TOKENS, *MISMATCH_KEYS]
+    token_level = [keys.CLIP_RATE, keys.RATIO_MEAN, keys.RATIO_MAX, keys.RATIO_MIN, keys.POLICY_ESS,
+                   keys.KL_NEW_OLD, keys.KL_NEW_OLD_K1, keys.ENTROPY, keys.BATCH_TOKENS,
+                   keys.MISMATCH_LOW_PROB_SHARE, *MISMATCH_KEYS]
     for key in token_level:
         assert_close(out[key], flat[key], msg=key)
     assert_close(out[keys.BATCH_TOKENS], t(6 + 3 + 0 + 1))
@@ -492,12 +551,17 @@ def test_all_masked_batch_gives_zero_or_one_never_nan():
         keys.CLIP_RATE_SEQ: 0.0,
         keys.RATIO_MEAN: 1.0,  # no evidence of drift
         keys.RATIO_MAX: 1.0,
+        keys.RATIO_MIN: 1.0,
+        keys.RATIO_MIN_SEQ: 1.0, keys.RATIO_MEAN_SEQ: 1.0, keys.RATIO_MAX_SEQ: 1.0,
+        keys.POLICY_ESS: 1.0, keys.POLICY_ESS_SEQ: 1.0,  # no evidence of a degenerate batch
         keys.KL_NEW_OLD: 0.0,
         keys.KL_NEW_OLD_K1: 0.0,
         keys.ENTROPY: 0.0,
+        keys.MISMATCH_LOW_PROB_SHARE: 0.0,
         keys.MISMATCH_LOGPROB_MEAN: 0.0,
         keys.MISMATCH_LOGPROB_MAX: 0.0,
         keys.MISMATCH_PROB_MAX: 0.0,
+        keys.MISMATCH_TOKEN_MULT_PROB_ERROR: 1.0,  # parity
         # no worst token: -1 for where, 0 (not NaN) for the values
         keys.WORST_SAMPLE: -1.0, keys.WORST_POSITION: -1.0, keys.WORST_TOKEN_ID: -1.0,
         keys.WORST_LP_TRAINER: 0.0, keys.WORST_LP_ENGINE: 0.0,
