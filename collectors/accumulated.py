@@ -19,7 +19,14 @@ from rldiag.collectors.compat.torch import (
     is_flat_param,
     queue_backward_callback,
 )
-from rldiag.collectors.gradcheck import GradReport, _isfinite, collect_grads, local_view, nonfinite_names
+from rldiag.collectors.gradcheck import (
+    GradReport,
+    _isfinite,
+    collect_grads,
+    exact_norm,
+    local_view,
+    nonfinite_names,
+)
 
 Tensor = torch.Tensor
 
@@ -145,8 +152,8 @@ class AccumulatedGradCheck:
         current = collect_grads([(n, p) for n, p in suspects if p.grad is not None])
         names = set(gone) | set(nonfinite_names(current, [math.inf] * len(current)))
         ordered = [n for n, _ in suspects if n in names] + sorted(names - {n for n, _ in suspects})
-        if not ordered:
-            return GradReport(norm=total, finite=True), rest
+        if not ordered:  # every element finite: float32 norms overflowed
+            return GradReport(norm=_overflowed_total(per, current), finite=True), rest
         return GradReport(norm=total, finite=False, nonfinite_params=ordered), rest
 
     def reset(self) -> None:
@@ -162,3 +169,15 @@ class AccumulatedGradCheck:
             h.remove()
         self._handles.clear()
         self.reset()
+
+
+def _overflowed_total(per: list[float], current: list) -> float:
+    """The total norm where the recorded float32 norms of finite gradients (`current`, in the order of the
+    non-finite values in `per`) overflowed: each taken again in float64 from the gradient as it is now, or
+    NaN (unknown) where it changed since (clipped with the overflowed norm, as torch's clip_grad_norm_
+    does: to zero)."""
+    if len(current) != sum(not math.isfinite(v) for v in per):
+        return math.nan
+    exact = iter([exact_norm(e.local) if not math.isfinite(foreach_norm_f32([e.local])[0].item()) else math.nan
+                  for e in current])
+    return math.sqrt(math.fsum(v * v if math.isfinite(v) else next(exact) ** 2 for v in per))

@@ -263,6 +263,24 @@ def nonfinite_names(named: list[tuple[str, Tensor]] | list[GradEntry], norms: li
     return out
 
 
+def exact_norm(t: Tensor) -> float:
+    """`t`'s L2 norm accumulated in float64 (float32 elements, on the CPU, where the device has no float64):
+    finite whenever every element is. For the failure path only, where a float32 norm overflowed."""
+    t = t.detach()
+    if t.device.type == "mps":
+        t = t.to("cpu")
+    if t.is_complex():
+        t = t.abs()
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64))
+
+
+def overflow_free(named: list[tuple[str, Tensor]] | list[GradEntry], norms: list[float]) -> tuple[float, list[float]]:
+    """`(total, per-tensor norms)` with every non-finite float32 norm taken again in float64: the norms of
+    gradients whose elements are all finite (checked by the caller) but whose float32 squared sum overflowed."""
+    per = [v if _isfinite(v) else exact_norm(e.local) for e, v in zip(_entries(named), norms)]
+    return math.sqrt(math.fsum(v * v for v in per)), per
+
+
 def _entries(named) -> list[GradEntry]:
     return [x if isinstance(x, GradEntry) else GradEntry(x[0], x[1], x[1]) for x in named]
 
@@ -378,7 +396,8 @@ class GradReport:
 
     def metrics(self) -> dict[str, float]:
         """The values logged for the step: `grad/norm`, `grad/finite`, `grad/nonfinite_params`; only
-        `grad/found` = 0 when no gradient was found (no norm or flag is made up); under a loss scaler also
+        `grad/found` = 0 when no gradient was found (no norm or flag is made up), and no `grad/norm` on a finite
+        step whose norm is not known (NaN); under a loss scaler also
         `grad/loss_scale` and `grad/scaler_overflow`, and on an overflow step only these two."""
         from rldiag.collectors import keys
 
@@ -390,7 +409,8 @@ class GradReport:
             out[keys.GRAD_SCALER_OVERFLOW] = 1.0 if self.overflow else 0.0
             if self.overflow:
                 return out
-        out[keys.GRAD_NORM] = self.norm
+        if not self.finite or math.isfinite(self.norm):  # a finite step's unknown norm is left out, never made up
+            out[keys.GRAD_NORM] = self.norm
         out[keys.GRAD_FINITE] = 1.0 if self.finite else 0.0
         out[keys.GRAD_NONFINITE_PARAMS] = float(len(self.nonfinite_params))
         return out
@@ -413,10 +433,12 @@ def build_report(named: list[tuple[str, Tensor]] | list[GradEntry], host_norms: 
         return GradReport.unknown()
     total, per = host_norms[0], host_norms[1:]
     if all(_isfinite(v) for v in per):
-        return GradReport(norm=total, finite=True)  # a non-finite total here is float32 overflow
+        if not _isfinite(total):  # the total in float32 (Apple's MPS) overflowed: add the squares in float64
+            total = math.sqrt(math.fsum(v * v for v in per))
+        return GradReport(norm=total, finite=True)
     names = nonfinite_names(named, per)
-    if not names:
-        return GradReport(norm=total, finite=True)  # per-tensor overflow, every element finite
+    if not names:  # every element finite: a float32 norm overflowed; the norms again in float64, finite
+        return GradReport(norm=overflow_free(named, per)[0], finite=True)
     positions = probe.positions() if probe is not None else []
     count = probe.count() if probe is not None else 0
     return GradReport(norm=total, finite=False, nonfinite_params=names, positions=positions,

@@ -40,6 +40,7 @@ from rldiag.collectors.gradcheck import (
     clip_grads,
     collect_grads,
     grad_norm_stats,
+    overflow_free,
     shard_split,
 )
 from rldiag.collectors.loss_event import EmptyBatchCheck, LossCheck
@@ -259,9 +260,20 @@ class Monitor:
         shared = {name for e in entries if e.sharded or self.grads_sharded for name in e.names()}
         names, positions, _ = distributed.gather_failure(local.nonfinite_params, local.positions, shared=shared)
         if not names:  # every rank's tensors are finite: a float32 norm overflowed, not a NaN
-            return GradReport(norm=host[0], finite=True), host
+            return GradReport(norm=self._overflow_free_norm(vec, local_norms[1:n], entries, step), finite=True), host
         return GradReport(norm=host[0], finite=False, nonfinite_params=names, positions=positions,
                           nonfinite_positions=len(positions)), host
+
+    def _overflow_free_norm(self, vec: torch.Tensor, per: list[float], entries: list[GradEntry], step: int) -> float:
+        """The global norm again from each rank's norms taken in float64 where float32 overflowed (every rank
+        calls this: the same collectives)."""
+        _, exact = overflow_free(entries, per)
+        per_t = torch.tensor(exact or [0.0], dtype=vec.dtype, device=vec.device)
+        v = torch.cat([torch.linalg.vector_norm(per_t).reshape(1), per_t])
+        split = shard_split(per_t, entries, plain_sharded=self.grads_sharded) if any(e.sharded for e in entries) else None
+        red = distributed.reduce_step(v, v.numel(), [], sharded=self.grads_sharded, split=split,
+                                      found=bool(entries), step=step)
+        return float(red.vector[0])
 
     def log(self, metrics: Mapping[str, torch.Tensor | float], step: int) -> None:
         """Log any further values at `step` (tensors cross to the host in one transfer; rank 0 only)."""

@@ -1,0 +1,99 @@
+"""A finite gradient whose float32 norm overflows (elements ~1e30: the squares pass float32's 3.4e38) is a
+healthy step: a finite `grad/norm` (taken in float64), `grad/finite` 1, no alert, nothing skipped. Real tiny
+models, real backward passes, a real SQLite MLflow store."""
+
+from __future__ import annotations
+
+import math
+
+import mlflow
+import pytest
+import torch
+from torch import nn
+
+from rldiag.collectors import Monitor, check_gradients, keys
+
+BIG = 1e30  # finite in float32 (max 3.4e38); its square is not
+
+
+def big_grads() -> tuple[nn.Module, float]:
+    """A linear layer whose gradients are ~1e30 element by element, and their exact norm (float64)."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    (net(x).sum() * BIG).backward()
+    exact = math.sqrt(math.fsum(float(g.double().square().sum()) for g in (net.weight.grad, net.bias.grad)))
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+    assert not math.isfinite(float(torch.linalg.vector_norm(net.weight.grad)))  # float32 overflows
+    return net, exact
+
+
+def test_check_gradients_gives_the_float64_norm():
+    net, exact = big_grads()
+    report = check_gradients(net)
+    assert report.finite is True and report.nonfinite_params == []
+    assert report.norm == pytest.approx(exact, rel=1e-6) and math.isfinite(report.norm)
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip", "raise"])
+def test_monitor_logs_a_finite_norm_and_no_alert(sqlite_uri, tmp_path, policy):
+    net, exact = big_grads()
+    before = net.weight.grad.clone()
+    alerts = tmp_path / "alerts.jsonl"
+    with Monitor("overflow", tracking_uri=sqlite_uri, policy=policy, alerts_jsonl=alerts) as mon:
+        assert mon.step(0, net, loss=torch.tensor(1.0)) is True
+        rid = mon.run_id
+    assert torch.equal(net.weight.grad, before)  # nothing zeroed
+    client = mlflow.MlflowClient(sqlite_uri)
+    got = {k: client.get_metric_history(rid, k) for k in (keys.GRAD_NORM, keys.GRAD_FINITE)}
+    assert got[keys.GRAD_NORM][0].value == pytest.approx(exact, rel=1e-6)
+    assert got[keys.GRAD_FINITE][0].value == 1.0
+    assert client.get_metric_history(rid, keys.GRAD_NONFINITE_PARAMS)[0].value == 0.0
+    assert not alerts.exists() or alerts.read_text() == ""
+    assert keys.TAG_ALERT_COUNT not in client.get_run(rid).data.tags
+
+
+def test_a_real_nan_beside_an_overflowing_norm_is_still_named(sqlite_uri):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    (net(torch.randn(5, 4)).sum() * BIG).backward()
+    net[1].bias.grad[0] = float("nan")
+    report = check_gradients(net)
+    assert report.finite is False and report.nonfinite_params == ["1.bias"]
+
+
+class BigLoss(nn.Module):
+    """A model for `Trainer` whose loss is scaled so that its gradients are ~1e30 (finite elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, **_) -> dict:
+        return {"loss": self.lin(x).sum() * BIG}
+
+
+def test_trainer_callback_overflow_is_a_finite_step_without_a_made_up_norm(sqlite_uri, tmp_path):
+    """transformers' Trainer clips before the callback's hook; torch's clip_grad_norm_ takes the overflowed
+    float32 norm (inf) and scales every gradient to 0, so the pre-clip norm is gone: the step is logged finite,
+    without `grad/norm` (no number made up), and with no alert."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from rldiag.collectors.integrations.transformers import RldiagCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", save_strategy="no", use_cpu=True,
+                             disable_tqdm=True, logging_steps=1, max_steps=1, per_device_train_batch_size=2,
+                             max_grad_norm=1.0, remove_unused_columns=False)
+    data = [{"x": torch.randn(4, generator=torch.Generator().manual_seed(i))} for i in range(4)]
+    trainer = Trainer(model=BigLoss(), args=args, train_dataset=data)
+    alerts = tmp_path / "alerts.jsonl"
+    RldiagCallback(experiment="hf", tracking_uri=sqlite_uri, alerts_jsonl=alerts).attach(trainer)
+    trainer.train()
+    client = mlflow.MlflowClient(sqlite_uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    rid = run.info.run_id
+    assert [m.value for m in client.get_metric_history(rid, keys.GRAD_FINITE)] == [1.0]
+    assert client.get_metric_history(rid, keys.GRAD_NORM) == []
+    assert not alerts.exists() or alerts.read_text() == ""
