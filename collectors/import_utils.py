@@ -38,6 +38,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "trl", "accelerate"),
     "vllm": ("vllm",),
     "postgres": ("psycopg2",),
+    "import": ("tensorboard", "wandb"),
 }
 
 

@@ -14,10 +14,14 @@ from rldiag.collectors.import_utils import extra_for
 EPILOG = """\
 The tracking store is MLFLOW_TRACKING_URI (or --tracking-uri); unset, it is the SQLite file
 mlruns.db in the current directory. Examples:
-  rldiag demo                          run the example RL loop into ./mlruns.db
-  rldiag demo --nan-at 30              ...with a NaN gradient injected at step 30
-  rldiag sync .rldiag/spill/RUN.jsonl  replay metrics a run could not deliver
-  rldiag COMMAND --help                options of one command
+  rldiag demo --nan-at 30                   the example RL loop, a NaN gradient injected at step 30
+  rldiag experiment masked-vs-unmasked      reproduce NaN gradients behind a finite loss (minutes)
+  rldiag app                                open the dashboard on the store
+  rldiag report --group v0_vs_v1            an HTML + Markdown comparison of one group's runs
+  rldiag watch --divergence                 alert on NaN gradients and departures in active runs
+  rldiag preflight --model DIR              engine-trainer logprob parity before a run
+  rldiag sync .rldiag/spill/                replay metrics a run could not deliver
+  rldiag COMMAND --help                     options of one command
 """
 
 # One module per command, imported only when that command runs (so `rldiag --help` stays instant).
@@ -32,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("rldiag.app.cli.report", "write a run-comparison report: self-contained HTML and a Markdown summary"),
     "app": ("rldiag.app.cli.app", "open the dashboard in the browser: overlay runs, divergence, NaN events, config diff"),
     "preflight": ("rldiag.app.cli.preflight", "check engine-trainer logprob parity at equal weights before a run, knob by knob"),
+    "import": ("rldiag.app.cli.import_", "import TensorBoard logdirs and W&B run folders into the store (--follow: live)"),
 }
 
 

@@ -26,9 +26,9 @@ SOURCES = ("rldiag", "collectors", "app", "experiments", "tests", "bench")
 
 # `app/`'s layers, lowest first. A module may import its own layer and the ones below it. The
 # dashboard sits above the report: its "Build report" button offers the report for download.
-LAYERS = ["errors", "data", "analysis", "plots", "report", "watch", "preflight", "dashboard", "cli"]
-RANK = {"errors": 0, "data": 1, "analysis": 2, "plots": 3, "report": 4, "watch": 4, "preflight": 4, "dashboard": 5,
-        "cli": 6}
+LAYERS = ["errors", "data", "analysis", "plots", "report", "watch", "preflight", "importers", "dashboard", "cli"]
+RANK = {"errors": 0, "data": 1, "analysis": 2, "plots": 3, "report": 4, "watch": 4, "preflight": 4, "importers": 4,
+        "dashboard": 5, "cli": 6}
 
 
 def python_files() -> list[Path]:

@@ -1,0 +1,175 @@
+"""Writing a tracker's run into MLflow: one MLflow run per source run, found again by its source path.
+
+A reader (tensorboard.py, wandb.py) gives, poll after poll, the points written since its last poll;
+`RunImport` sends those past the run's latest imported step per key through rldiag's writer (NaN kept,
+inf flagged as the collectors flag it), so a second import adds only new points and `--follow` keeps up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from rldiag.collectors import keys
+from rldiag.collectors.limits import MAX_KEY_CHARS, clean_key
+
+log = logging.getLogger("rldiag.import")
+
+TAG_SOURCE = "rldiag.import.source"  # the absolute path of the imported run (folder or file)
+TAG_SOURCE_ID = "rldiag.import.id"  # a hash of that path: what a later import searches for
+TAG_TRACKER = "rldiag.import.tracker"  # "tensorboard" or "wandb"
+FLUSH_EVERY = 50_000  # points enqueued between two waits for the store (bounded memory, honest progress)
+
+
+@dataclass
+class Poll:
+    """What a reader found since its previous poll."""
+
+    points: list[tuple[str, int, int, float]] = field(default_factory=list)  # key, step, wall time ms, value
+    params: dict[str, object] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # one line each, naming the file
+    ended: str | None = None  # "FINISHED" or "FAILED" once the tracker recorded the run's end
+
+
+class Reader(Protocol):
+    tracker: str
+    source: Path  # absolute: identifies the run across imports
+    name: str  # the run's name in MLflow
+    experiment: str  # the experiment a new run goes to unless --experiment says otherwise
+
+    def poll(self, *, final: bool) -> Poll:
+        """Points since the previous poll; `final`: a partial record at the end is a problem, not a wait."""
+
+
+def source_id(path: Path) -> str:
+    return hashlib.sha1(str(path).encode()).hexdigest()[:20]
+
+
+def find_imported(client, path: Path) -> str | None:
+    """The id of the run an earlier import made of `path` (any experiment, deleted runs aside), or None."""
+    exp_ids = [e.experiment_id for e in client.search_experiments()]
+    if not exp_ids:
+        return None
+    runs = client.search_runs(exp_ids, filter_string=f"tags.`{TAG_SOURCE_ID}` = '{source_id(path)}'", max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+@dataclass
+class Outcome:
+    run_id: str
+    created: bool
+    points: int = 0  # points sent this time
+    skipped: int = 0  # points at or before the key's last imported step
+    keys: set[str] = field(default_factory=set)
+    params: int = 0
+    problems: list[str] = field(default_factory=list)
+    undelivered: int = 0
+    ended: str | None = None
+
+
+class RunImport:
+    """One source run into one MLflow run. `poll()` imports what is new; `close()` ends the MLflow run."""
+
+    def __init__(self, reader: Reader, tracking_uri: str, *, tags: Mapping[str, str], experiment: str | None = None):
+        self.reader, self.uri, self.tags, self.experiment = reader, tracking_uri, dict(tags), experiment
+        self.client = self.run_id = self.writer = None
+        self.cursor: dict[str, int] = {}  # MLflow key -> its last imported step
+        self.params: dict[str, str] = {}
+        self.outcome: Outcome | None = None
+
+    def poll(self, *, final: bool) -> Outcome:
+        p = self.reader.poll(final=final)
+        if self.run_id is None:
+            if not p.points and not p.params and p.ended is None:
+                return Outcome("", False, problems=p.problems)  # nothing readable yet: no run for it
+            self._open()
+        out = self.outcome
+        out.problems += p.problems
+        out.params += self._log_params(p.params)
+        self._send(p.points, out)
+        if p.ended is not None:
+            out.ended = p.ended
+        return out
+
+    def _open(self) -> None:
+        from rldiag.collectors.mlflow_store import client_for, make_sender, open_run
+        from rldiag.collectors.writer import MetricWriter
+
+        r = self.reader
+        tags = {TAG_SOURCE: str(r.source), TAG_SOURCE_ID: source_id(r.source), TAG_TRACKER: r.tracker, **self.tags}
+        existing = find_imported(client_for(self.uri), r.source)
+        self.client, run = open_run(self.uri, experiment=self.experiment or r.experiment, run_name=r.name,
+                                    run_id=existing, tags=tags)
+        self.run_id = run.info.run_id
+        self.params = dict(run.data.params)
+        if existing is not None:
+            proto = self.client.get_run(self.run_id).to_proto()
+            self.cursor = {m.key: int(m.step) for m in proto.data.metrics
+                           if not m.key.startswith(keys.INF_FLAG_PREFIX)}
+        self.writer = MetricWriter(self.run_id, make_sender(self.uri), tracking_uri=self.uri, spill_dir=None)
+        self.outcome = Outcome(self.run_id, existing is None)
+
+    def _log_params(self, params: Mapping[str, object]) -> int:
+        """Params not yet on the run; a changed value is a warning (MLflow refuses to re-log a param)."""
+        from mlflow.entities import Param
+
+        from rldiag.collectors.mlflow_store import flatten_params
+
+        new = []
+        for k, v in flatten_params(params).items():
+            k = clean_key(k, MAX_KEY_CHARS)
+            if k not in self.params:
+                self.params[k] = v
+                new.append(Param(k, v))
+            elif self.params[k] != v:
+                log.warning("%s: config %r is now %r; the MLflow run keeps %r (MLflow never changes a param)",
+                            self.reader.source, k, v[:80], self.params[k][:80])
+                self.params[k] = v
+        for i in range(0, len(new), 100):
+            self.client.log_batch(self.run_id, params=new[i:i + 100])
+        return len(new)
+
+    def _send(self, points: list[tuple[str, int, int, float]], out: Outcome) -> None:
+        names: dict[str, str] = {}
+        group: dict[str, float] = {}
+        at: tuple[int, int] | None = None
+        sent = 0
+        seen: dict[str, int] = {}
+        for key, step, ts, value in points:
+            k = names.get(key)
+            if k is None:
+                k = names[key] = clean_key(key)
+            if step <= self.cursor.get(k, -(2**63)):
+                out.skipped += 1
+                continue
+            if (step, ts) != at or key in group:
+                if group:
+                    self.writer.log_metrics(group, at[0], timestamp_ms=at[1])
+                group, at = {}, (step, ts)
+            group[key] = value
+            seen[k] = max(seen.get(k, step), step)
+            out.keys.add(k)
+            sent += 1
+            if sent % FLUSH_EVERY == 0:
+                self.writer.flush(timeout=600)
+        if group:
+            self.writer.log_metrics(group, at[0], timestamp_ms=at[1])
+        self.cursor.update(seen)
+        out.points += sent
+
+    def flush(self, timeout: float = 600) -> bool:
+        return self.writer is None or self.writer.flush(timeout=timeout)
+
+    def close(self, status: str = "FINISHED", timeout: float = 600) -> Outcome | None:
+        """Deliver what is queued and end the MLflow run with `status`."""
+        if self.writer is None:
+            return self.outcome
+        stats = self.writer.close(timeout=timeout)
+        self.outcome.undelivered = stats.undelivered
+        self.client.set_terminated(self.run_id, status=status)
+        self.writer = None
+        return self.outcome

@@ -1,0 +1,146 @@
+"""W&B local run folders (online `run-...` or offline `offline-run-...`): each `run-<id>.wandb` is one run.
+
+    for run in find_runs("wandb"):       # a wandb/ folder, one run folder, or one .wandb file
+        poll = run.poll(final=True)      # history scalars since the previous poll, config, the exit
+
+History rows give each numeric item at the row's `_step` and `_timestamp` (W&B's own `_`-keys are left
+out; a nested dict's items are named `parent.child`, as W&B shows them); the run's config and later
+config updates become params; the exit record ends the run (FAILED on a non-zero exit code).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rldiag.app.importers import compat_wandb as compat
+from rldiag.app.importers.common import Poll
+
+EXPERIMENT = "wandb"
+
+
+class NotAWandbRun(ValueError):
+    """A path with no W&B run file under it."""
+
+
+def find_runs(path: str | Path) -> list[WandbRun]:
+    """The runs at `path`: a `.wandb` file, a run folder holding one, or a folder of run folders."""
+    root = Path(path).expanduser().absolute()
+    if not root.exists():
+        raise NotAWandbRun(f"{root}: no such file or folder; give a W&B run folder (wandb/run-<date>-<id> or "
+                           "wandb/offline-run-...) or the wandb/ folder that holds them")
+    files = [root] if root.is_file() else sorted(root.rglob("*.wandb"))
+    unique = list({f.resolve(): f for f in files if f.is_file()})  # wandb/latest-run links to a run folder
+    if not unique:
+        raise NotAWandbRun(f"{root}: no W&B run file (run-<id>.wandb) in it or below it; give a W&B run folder "
+                           "(wandb/run-<date>-<id> or wandb/offline-run-...) or the wandb/ folder that holds them")
+    return [WandbRun(f) for f in sorted(unique)]
+
+
+class WandbRun:
+    """The history, config and end of one `.wandb` file, read incrementally."""
+
+    tracker = "wandb"
+
+    def __init__(self, file: Path):
+        self.file = file
+        self.source = file.parent if file.parent.name.endswith(file.stem.removeprefix("run-")) else file
+        self.name = file.stem.removeprefix("run-")  # the run id until the run record names it
+        self.experiment = EXPERIMENT
+        self._offset: int | None = None  # None: the header is not read yet
+        self._broken = False
+        self._ended: str | None = None
+
+    def poll(self, *, final: bool) -> Poll:
+        out = Poll()
+        if self._broken:
+            return out
+        try:
+            with self.file.open("rb") as fh:
+                if self._offset is None:
+                    head = fh.read(len(compat.FILE_HEADER))
+                    if len(head) < len(compat.FILE_HEADER) and not final:
+                        return out  # just created: its header is not written yet
+                    if not compat.is_wandb_file(head):
+                        self._broken = True
+                        out.problems.append(f"{self.file}: not a W&B run file (it does not start with W&B's "
+                                            "header ':W&B'); skipped")
+                        return out
+                    self._offset = len(head)
+                fh.seek(self._offset)
+                buf = fh.read()
+        except OSError as e:
+            self._broken = True
+            out.problems.append(f"{self.file}: cannot read it ({e.strerror or e}); skipped")
+            return out
+        start = done = self._offset
+        try:
+            for end, data in compat.read_records(buf, start):
+                try:
+                    self._record(data, out)
+                except Exception as e:  # noqa: BLE001 - a record that passed its CRC but does not parse
+                    out.problems.append(f"{self.file}: the record at byte {done} is not a W&B record "
+                                        f"({type(e).__name__}); skipped it")
+                done = end
+        except compat.CorruptRecord as e:
+            self._broken = True
+            out.problems.append(f"{self.file}: corrupt at byte {e.offset} ({e.why}); the records before it were "
+                                "imported, the rest of this file is skipped")
+        self._offset = done
+        if final and not self._broken and done < start + len(buf):
+            out.problems.append(f"{self.file}: ends in a partial record ({start + len(buf) - done} bytes at byte "
+                                f"{done}): still being written, or cut short; the whole records before it were "
+                                "imported (import again, or use --follow, once wandb has written it)")
+        out.ended = self._ended
+        return out
+
+    def _record(self, data: bytes, out: Poll) -> None:
+        kind, rec = compat.parse_record(data)
+        if kind == "history":
+            self._history(rec.history, out)
+        elif kind == "run":
+            run = rec.run
+            self.name = run.display_name or run.run_id or self.name
+            self.experiment = run.project or EXPERIMENT
+            out.params.update(_config(run.config.update))
+        elif kind == "config":
+            out.params.update(_config(rec.config.update))
+        elif kind == "exit":
+            self._ended = "FINISHED" if rec.exit.exit_code == 0 else "FAILED"
+
+    def _history(self, history, out: Poll) -> None:
+        values: dict[str, object] = {}
+        for item in history.item:
+            values[compat.item_key(item)] = json.loads(item.value_json)
+        step = values.get("_step", history.step.num)
+        ts = values.get("_timestamp")
+        ms = int(ts * 1000) if isinstance(ts, (int, float)) and math.isfinite(ts) else 0
+        for key, v in _numbers(values):
+            out.points.append((key, int(step), ms, v))
+
+
+def _numbers(values: dict[str, object], prefix: str = ""):
+    """`(name, float)` for each number in a history row, nested dicts flattened; W&B's `_` keys and
+    media (dicts with a `_type`) left out."""
+    for k, v in values.items():
+        if k.startswith("_"):
+            continue
+        if isinstance(v, bool):
+            yield prefix + k, float(v)
+        elif isinstance(v, (int, float)):
+            yield prefix + k, float(v)
+        elif isinstance(v, dict) and "_type" not in v:
+            yield from _numbers(v, f"{prefix}{k}.")
+
+
+def _config(items) -> dict[str, object]:
+    out = {}
+    for item in items:
+        key = compat.item_key(item)
+        if key.startswith("_"):  # _wandb: W&B's own
+            continue
+        value = json.loads(item.value_json)
+        out[key] = value.get("value", value) if isinstance(value, dict) and set(value) <= {"value", "desc"} \
+            else value
+    return out
