@@ -90,6 +90,8 @@ def read_journal(path: str | os.PathLike) -> JournalContents:
     scan = scan_journal(folder, stem)
     if scan.unreadable and not scan.segments:
         raise OSError(scan.unreadable[0][1])
+    if scan.foreign and not scan.segments:
+        raise ValueError(f"{scan.foreign[0][0]} is not an rldiag journal: {scan.foreign[0][1]}")
     pending, corrupt = [], scan.corrupt_lines
     for b in iter_pending(scan):
         if b is None:
@@ -120,11 +122,12 @@ class Journal:
         self._cur_bytes = 0
         self._closed = False
         self.unreadable: list[tuple[Path, str]] = []
+        self.foreign: list[tuple[Path, str]] = []  # files named like its segments that are not: never touched
         self.corrupt_lines = 0  # lines of the scanned segments that do not parse
         scan = self._adopt(stem)
         self.stored_uri, self.uri_redacted = scan.tracking_uri, scan.uri_redacted  # what the header says
         self.next_seq = scan.max_seq + 1
-        numbers = [s.segment.number for s in scan.segments]
+        numbers = [s.segment.number for s in scan.segments] + [split_name(p)[2] for p, _ in self.foreign]
         self._next_number = max(numbers) + 1 if numbers else 0
 
     # ---- opening ---------------------------------------------------------------------------------
@@ -178,8 +181,9 @@ class Journal:
     def _adopt(self, stem: str) -> JournalScan:
         scan = scan_journal(self.folder, stem)
         self.unreadable += scan.unreadable
+        self.foreign += scan.foreign
         self.corrupt_lines += scan.corrupt_lines
-        for s in scan.segments:
+        for s in scan.segments:  # verified segments only (`segment_problem`): foreign files are never touched
             if s.segment.open_batches == 0:  # fully delivered by an earlier owner
                 _unlink(s.segment.path)
             else:
@@ -254,8 +258,13 @@ class Journal:
             self._cur = None
             if old.open_batches <= 0:
                 self._drop(old)
-        path = segment_path(self.folder, self.stem, self._next_number)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        while True:  # a new file, never one that is there (a file of the user's with a segment's name)
+            path = segment_path(self.folder, self.stem, self._next_number)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:
+                self._next_number += 1
         try:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077 and st.st_uid == os.getuid():
@@ -313,8 +322,9 @@ class Journal:
         with self._lock:
             return list(self._segments)
 
-    def close(self, *, delete: bool) -> None:
-        """Release the journal; with `delete` (everything delivered) remove every segment of it."""
+    def close(self, *, delete: bool = True) -> None:
+        """Release the journal; with `delete`, remove its segments whose batches are all acknowledged
+        (only those: a segment with a batch the store never took, or a damaged one, is kept)."""
         with self._lock:
             if self._closed:
                 return
@@ -324,7 +334,7 @@ class Journal:
                 self._fd = -1
             self._cur = None
             for seg in list(self._segments):
-                if delete or seg.open_batches <= 0:
+                if delete and seg.open_batches <= 0:
                     _unlink(seg.path)
                     self._segments.remove(seg)
             for lock in self._locks.values():

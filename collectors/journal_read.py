@@ -9,11 +9,15 @@ sequence number, where it starts and how many entries it holds (taken from the l
 `{"seq":N,"n":K,`, without parsing the rest), and the acks. What it returns names the batches still
 undelivered; `read_batch` parses one of them when the sender gets to it. Acknowledged batches are
 never parsed.
+
+Only verified segments are ever read for batches, acknowledged or deleted (`segment_problem`): a file
+whose name is a segment's but whose first line is not an rldiag journal header for that name (the
+user's `my_eval_results.jsonl`, rldiag's own `alerts.jsonl`, a file of damaged lines) is listed in
+`JournalScan.foreign` with the reason, and left byte-identical.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -79,7 +83,8 @@ class JournalScan:
     corrupt_lines: int = 0
     refused: int = 0
     max_seq: int = -1
-    unreadable: list[tuple[Path, str]] = field(default_factory=list)  # files that are not journals we can read
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)  # journal segments that could not be read
+    foreign: list[tuple[Path, str]] = field(default_factory=list)  # files named like segments, not journals: left alone
 
     @property
     def pending_batches(self) -> int:
@@ -132,15 +137,51 @@ def journal_stems(folder: Path) -> list[str]:
     return sorted(stems)
 
 
+HEADER_MAX_BYTES = 1 << 16  # a header line is ~200 bytes; a longer first line is not one
+
+
+def segment_problem(path: Path) -> str | None:
+    """Why `path` is not a segment of an rldiag journal (None if it is one): it must be a regular file
+    named `<stem>.jsonl` or `<stem>.<K>.jsonl` whose first line is a journal header
+    (`{"rldiag_journal": N, "run_id": R, ...}`) naming a run R whose journals have that stem (`R` or
+    `R-<k>`) and, when it says one, that segment number K. Only such files are ever deleted."""
+    if not path.name.endswith(".jsonl"):
+        return "its name does not end in .jsonl"
+    _, stem, number = split_name(path)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a device or FIFO would read forever
+            return "it is not a regular file"
+        with open(path, "rb") as f:
+            first = f.readline(HEADER_MAX_BYTES)
+    except OSError as e:
+        return f"it cannot be read ({e})"
+    try:
+        head = _loads(first)
+    except ValueError:
+        return "its first line is not an rldiag journal header"
+    if not isinstance(head, dict) or not isinstance(head.get("rldiag_journal"), int):
+        return "its first line is not an rldiag journal header"
+    run_id = head.get("run_id")
+    if not isinstance(run_id, str) or not run_id:
+        return "its header names no run"
+    if stem != run_id and not re.fullmatch(re.escape(run_id) + r"-\d+", stem):
+        return f"its header names run {run_id!r}, whose journals are not named {stem!r}"
+    if "segment" in head and head["segment"] != number:
+        return f"its header says segment {head['segment']!r}, its name segment {number}"
+    return None
+
+
 def scan_journal(folder: Path, stem: str) -> JournalScan:
     """Every segment of the journal `stem`, read once for numbers only (see the module docstring)."""
     out = JournalScan()
     acked: set[int] = set()
     found: list[tuple[Segment, list[Pending], list[int]]] = []
     for number, path in segment_files(folder, stem):
+        why = segment_problem(path)
+        if why is not None:
+            out.foreign.append((path, why))
+            continue
         try:
-            if not stat.S_ISREG(os.stat(path).st_mode):  # a device or FIFO would read forever
-                raise OSError(errno.EINVAL, f"{path} is not a regular file, so not a journal")
             batches, unsized = _scan_segment(path, out, acked)
         except OSError as e:
             out.unreadable.append((path, str(e)))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rldiag.collectors.journal import Journal, JournalBusy
-from rldiag.collectors.journal_read import segment_files, split_name
+from rldiag.collectors.journal_read import segment_files, segment_problem, split_name
 from rldiag.collectors.settings import MLFLOW_CREDENTIAL_VARS, MLFLOW_TRACKING_URI, default_tracking_uri
 from rldiag.collectors.uri import redact_uri, same_store, strip_secrets
 from rldiag.collectors.writer import MetricWriter, SendFn, WriterStats
@@ -16,11 +16,19 @@ from rldiag.collectors.writer import MetricWriter, SendFn, WriterStats
 log = logging.getLogger("rldiag.sync")
 
 
-__all__ = ["JournalBusy", "JournalError", "journal_tracking_uri", "sync_journal"]
+__all__ = ["JournalBusy", "JournalError", "NotAJournal", "journal_tracking_uri", "sync_journal"]
 
 
 class JournalError(ValueError):
     """The file is not an rldiag journal, or it names no run."""
+
+
+class NotAJournal(JournalError):
+    """A file that is not an rldiag journal segment (`segment_problem`): left byte-identical."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"{path} is not an rldiag journal ({why}): left as it is")
+        self.path, self.why = path, why
 
 
 def journal_tracking_uri(contents, tracking_uri: str | None = None) -> tuple[str, str | None]:
@@ -66,11 +74,20 @@ def sync_journal(path: str | Path, *, tracking_uri: str | None = None, send: Sen
     `path` is any segment of a journal (`<stem>.jsonl`, `<stem>.K.jsonl`; `<stem>.jsonl` also once that
     segment is delivered and gone): all its segments are read, streamed, never all in memory. A journal
     that a live writer (or another sync) holds raises `JournalBusy`, naming it, and is left untouched.
+    A file that is not a journal segment (`segment_problem`: no header for its name) raises `NotAJournal`
+    and is never changed; only verified segments whose batches are all acknowledged are removed.
     """
     path = Path(path)
     folder, stem, _ = split_name(path)
     if path.is_dir() or not segment_files(folder, stem):
         raise JournalError(f"{path} does not exist; journals live in .rldiag/spill/<run_id>.jsonl by default")
+    segments = segment_files(folder, stem)
+    verdicts = [(p, segment_problem(p)) for _, p in segments]
+    if all(why is not None for _, why in verdicts):  # checked before the lock: no lock file beside a foreign one
+        named = next((why for p, why in verdicts if p == path), None) or verdicts[0][1]
+        raise NotAJournal(path, named)
+    if path.exists() and (why := segment_problem(path)) is not None:
+        raise NotAJournal(path, why)
     journal = Journal.for_file(path)
     try:
         if not journal.run_id:

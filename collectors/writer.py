@@ -307,7 +307,7 @@ class MetricWriter:
                 m.ok = self.stats.undelivered == 0
                 m.event.set()
         if self.journal is not None:
-            self.journal.close(delete=self.stats.undelivered == 0 and self.stats.journal_errors == 0)
+            self.journal.close(delete=True)  # only segments whose batches the store all acknowledged
             if self.stats.lost:
                 log.error("rldiag: %d metric points of run %s were in journal lines that could not be read back",
                           self.stats.lost, self.run_id)
@@ -758,6 +758,8 @@ class MetricWriter:
     # ---- recovery --------------------------------------------------------------------------------
     def _recover(self, journal: Journal) -> None:
         """Queue the journal's undelivered batches (read back from disk) ahead of everything new."""
+        for path, why in journal.foreign:
+            log.warning("rldiag: %s is not an rldiag journal (%s): left as it is", path, why)
         for path, why in journal.unreadable:
             self._warn_once("recover", "rldiag: cannot read journal %s (%s); replay it later with rldiag sync", path, why)
         if journal.corrupt_lines:

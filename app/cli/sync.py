@@ -17,13 +17,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tracking_option(p)
 
 
-def _journals(files: list[str]) -> list[str]:
-    """Each journal once: several segments of one journal name it once; a folder names each journal in it."""
+def _journals(files: list[str]) -> list[tuple[str, bool]]:
+    """Each journal once, with whether it was found in a folder (not named): several segments of one
+    journal name it once; a folder names each stem of a `.jsonl` file in it."""
     from pathlib import Path
 
     from rldiag.collectors.journal_read import journal_stems, segment_path, split_name
 
-    out: list[str] = []
+    out: list[tuple[str, bool]] = []
     seen: set[tuple[Path, str]] = set()
     for f in files:
         p = Path(f)
@@ -32,15 +33,15 @@ def _journals(files: list[str]) -> list[str]:
         for folder, stem, shown in named:
             if (folder.resolve(), stem) not in seen:
                 seen.add((folder.resolve(), stem))
-                out.append(shown)
+                out.append((shown, p.is_dir()))
     return out
 
 
 def run(args: argparse.Namespace) -> int:
-    from rldiag.collectors.sync import JournalBusy, JournalError, sync_journal
+    from rldiag.collectors.sync import JournalBusy, JournalError, NotAJournal, sync_journal
 
     status = 0
-    for f in _journals(args.files):
+    for f, in_folder in _journals(args.files):
         try:
             stats, corrupt = sync_journal(f, tracking_uri=args.tracking_uri, timeout_s=args.timeout,
                                           on_note=lambda note, f=f: print(f"{f}: {note}", flush=True))
@@ -48,6 +49,12 @@ def run(args: argparse.Namespace) -> int:
             # Its live writer delivers it: not a failure; never replayed or removed from here.
             print(f"{f}: skipped: held by a live writer ({e.holder}), which delivers it; run sync again after "
                   "that process has ended", flush=True)
+            continue
+        except NotAJournal as e:
+            # Never changed, never deleted: one line, and a failure only when it was named on its own.
+            print(f"{e.path}: skipped: not an rldiag journal ({e.why}); left as it is", flush=True)
+            if not in_folder:
+                status = 2
             continue
         except JournalError as e:
             raise CliError(str(e)) from None
