@@ -286,3 +286,18 @@ def test_every_relative_link_points_at_a_file(name, target):
 def test_every_code_fence_is_closed(name):
     fences = re.findall(r"^```", TEXT[name], re.M)
     assert len(fences) % 2 == 0, f"{name} has an unclosed ``` code block ({len(fences)} fence lines)"
+
+
+def test_readme_stays_a_front_door():
+    size = len(TEXT["README.md"].encode())
+    assert size < 20_000, f"README.md is {size} bytes: move the detail to a page of docs/ and link it (goal < 20 KB)"
+
+
+def test_bench_table_lands_in_bench_readme(tmp_path):
+    """`python -m bench.run_all` splices its table between bench/README.md's markers."""
+    from bench.run_all import splice_readme
+
+    copy = tmp_path / "README.md"
+    copy.write_text(TEXT["bench/README.md"])
+    assert splice_readme(copy, "| new table |\n")
+    assert "| new table |" in copy.read_text() and "<!-- /bench-table -->" in copy.read_text()
