@@ -38,6 +38,14 @@ class LoopConfig:
     experiment: str = "rldiag-demo"
     run_name: str = "example-loop"
 
+    def __post_init__(self) -> None:
+        last = self.steps * self.ppo_epochs - 1  # optimizer steps are counted from 0
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: give 1 or more rollout steps")
+        if self.nan_at is not None and not 0 <= self.nan_at <= last:
+            raise ValueError(f"nan_at={self.nan_at} is outside the run's optimizer steps 0-{last} ({self.steps} "
+                             f"rollouts x {self.ppo_epochs} optimizer steps each): give a step in that range")
+
 
 @dataclass
 class LoopResult:

@@ -21,6 +21,7 @@ mlruns.db in the current directory. Examples:
   rldiag watch --divergence                 alert on NaN gradients and departures in active runs
   rldiag preflight --model DIR              engine-trainer logprob parity before a run
   rldiag sync .rldiag/spill/                replay metrics a run could not deliver
+  rldiag import tensorboard runs/exp1       a TensorBoard logdir (or a W&B run folder) into the store
   rldiag COMMAND --help                     options of one command
 """
 

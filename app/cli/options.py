@@ -12,6 +12,25 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a step, a count); anything else is one line naming the value."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative: give a step or count of 0 or more")
+    return n
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    n = non_negative_int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("0: give 1 or more")
+    return n
+
+
 def add_tracking_option(p: argparse.ArgumentParser, *, read: bool = False) -> None:
     """`--tracking-uri`, as every command spells it (None: $MLFLOW_TRACKING_URI, else the embedded default);
     with `read`, also `--backend-store-uri` (a server's SQLite file to read histories from)."""
@@ -26,13 +45,19 @@ def add_tracking_option(p: argparse.ArgumentParser, *, read: bool = False) -> No
 
 def add_detector_option(p: argparse.ArgumentParser) -> None:
     """`--detector KEY=VALUE` (repeatable): the divergence detector's options, for this command and,
-    through $RLDIAG_DETECTOR, for the dashboard's server process."""
+    through $RLDIAG_DETECTOR, for the dashboard's server process. `--detector help` lists them."""
+    p.add_argument("--detector", action=_DetectorOption, default=None, metavar="KEY=VALUE",
+                   help="a divergence-detector option, repeatable, e.g. --detector k=6 (the defaults suit most "
+                        "runs; `--detector help` lists every option with its default)")
+
+
+def detector_options_text() -> str:
+    """Every detector option with its default, one a line (`--detector help`)."""
     from rldiag.app.analysis.divergence import DivergenceConfig
 
-    names = ", ".join(f"{f}={_show(getattr(DivergenceConfig(), f))}" for f in DivergenceConfig.__dataclass_fields__)
-    p.add_argument("--detector", action=_DetectorOption, default=None, metavar="KEY=VALUE",
-                   help=f"a divergence-detector option, repeatable (defaults: {names}); see "
-                        "rldiag.app.analysis.divergence.DivergenceConfig")
+    lines = [f"  {f}={_show(getattr(DivergenceConfig(), f))}" for f in DivergenceConfig.__dataclass_fields__]
+    return ("divergence-detector options (--detector KEY=VALUE, repeatable; see "
+            "rldiag.app.analysis.divergence.DivergenceConfig):\n" + "\n".join(lines))
 
 
 def _show(v) -> str:
@@ -47,6 +72,9 @@ class _DetectorOption(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         from rldiag.app.analysis.divergence import DETECTOR_ENV, DivergenceConfig
 
+        if values.strip() == "help":
+            print(detector_options_text())
+            parser.exit(0)
         items = [*(getattr(namespace, self.dest) or []), values]
         try:
             DivergenceConfig.from_options(items)

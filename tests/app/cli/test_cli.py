@@ -57,3 +57,26 @@ def test_sync_missing_and_foreign_files(tmp_path):
     foreign.write_text('{"hello": 1}\n')
     out = rldiag("sync", str(foreign), cwd=tmp_path)
     assert out.returncode == 2 and "no rldiag journal header" in out.stderr
+
+
+def test_help_has_an_example_for_every_command(tmp_path):
+    from rldiag.app.cli.main import COMMANDS, EPILOG
+
+    shown = {line.split()[1] for line in EPILOG.splitlines() if line.startswith("  rldiag ")}
+    assert set(COMMANDS) <= shown, set(COMMANDS) - shown
+
+
+def test_demo_refuses_a_nan_step_outside_the_run_in_one_line(tmp_path):
+    for args, says in [(("--nan-at", "-5"), "-5 is negative"),
+                       (("--steps", "4", "--nan-at", "8"), "--nan-at 8 is outside the run's optimizer steps 0-7"),
+                       (("--steps", "0"), "0: give 1 or more")]:
+        out = rldiag("demo", *args, cwd=tmp_path)
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "mlruns.db").exists()  # refused before anything was written
+
+
+def test_detector_help_is_short_and_lists_on_request(tmp_path):
+    out = rldiag("report", "--help", cwd=tmp_path)
+    assert "`--detector help` lists every option" in out.stdout and "k_per_halving" not in out.stdout
+    listed = rldiag("report", "--detector", "help", cwd=tmp_path)
+    assert listed.returncode == 0 and "  k=" in listed.stdout and "  window=" in listed.stdout, listed
