@@ -137,6 +137,44 @@ ALIASES: dict[str, str] = {
     "training/rollout_probs_diff_max": MISMATCH_PROB_MAX,
     # OpenRLHF
     "ppo_clip_ratio": CLIP_ACTIVE_RATE,
+    # Every framework's names, each read in its own source: app/data/aliases_sources.py says where and how
+    # (a test pins that table and this one together). TRL, then TRL under W&B/TensorBoard (train/ prefix)
+    "sampling/sampling_logp_difference/mean": MISMATCH_LOGPROB_MEAN,
+    "sampling/sampling_logp_difference/max": MISMATCH_LOGPROB_MAX,
+    "train/sampling/sampling_logp_difference/mean": MISMATCH_LOGPROB_MEAN,
+    "train/sampling/sampling_logp_difference/max": MISMATCH_LOGPROB_MAX,
+    "train/clip_ratio/region_mean": CLIP_ACTIVE_RATE,
+    "train/kl": KL_REF,
+    "train/entropy": ENTROPY,
+    "train/reward": REWARD_MEAN,
+    "train/reward_std": REWARD_STD,
+    # NeMo-RL
+    "train/token_mult_prob_error": MISMATCH_TOKEN_MULT_PROB_ERROR,
+    # slime
+    "train/train_rollout_logprob_abs_diff": MISMATCH_LOGPROB_MEAN,
+    "train/pg_clipfrac": CLIP_ACTIVE_RATE,
+    # prime-rl
+    "mismatch_kl/all/mean": KL_NEW_OLD,
+    "entropy/all/mean": ENTROPY,
+    "optim/grad_norm": GRAD_NORM,
+    # OpenRLHF (its W&B/TensorBoard logger prefixes train/)
+    "train/ppo_clip_ratio": CLIP_ACTIVE_RATE,
+    # SkyRL
+    "policy/rollout_train_logprobs_abs_diff_mean": MISMATCH_LOGPROB_MEAN,
+    "policy/rollout_train_logprobs_abs_diff_max": MISMATCH_LOGPROB_MAX,
+    "policy/loss_metrics/clip_ratio": CLIP_ACTIVE_RATE,
+    "policy/policy_entropy": ENTROPY,
+    # AReaL
+    "ppo_actor/update/clip_ratio/avg": CLIP_ACTIVE_RATE,
+    "ppo_actor/update/entropy/avg": ENTROPY,
+    # ROLL
+    "actor_train/grad_norm": GRAD_NORM,
+    # PipelineRL as it logs them (rl/ prefix)
+    "rl/kl_new_old": KL_NEW_OLD,
+    "rl/clamp_log_ratio_new_old_indicator": CLIP_RATE,
+    "rl/ratio_new_old": RATIO_MEAN,
+    "rl/ess": POLICY_ESS,
+    "rl/entropy": ENTROPY,
 }
 
 # Where an aliased name's definition differs from the canonical key's in aggregation or scaling: the
@@ -148,6 +186,12 @@ ALIAS_NOTES: dict[str, str] = {
     "entropy": "TRL: entropy of the temperature-scaled distribution (logits / temperature)",
     "kl": "TRL: KL to the reference model (k3), logged only when beta != 0",
     "actor/pg_clipfrac": "verl: token mean over the micro-batch, then averaged over micro-batches",
+    "sampling/sampling_logp_difference/mean": "TRL: token mean per process, then averaged over processes",
+    "train/train_rollout_logprob_abs_diff": "slime: per-sample token means (sample-level aggregation)",
+    "train/pg_clipfrac": "slime: per-sample token means (sample-level aggregation)",
+    "rl/kl_new_old": "PipelineRL: per-sequence token means, averaged over sequences",
+    "rl/ratio_new_old": "PipelineRL: per-sequence token means, averaged over sequences",
+    "rl/clamp_log_ratio_new_old_indicator": "PipelineRL: per-sequence token means, averaged over sequences",
 }
 
 
