@@ -535,6 +535,11 @@ class CandidateSummary:
     # metrics there an empty batch's placeholders (ratio 1, KL 0), which read as a perfect step
     empty_steps: tuple[int, ...] = ()
     empty_truncated: bool = False  # some of them found as TRL's every-completion-truncated, masked (nan_events)
+    # key -> (its last step, the references' last step), for metrics it stops logging before the references do
+    stops_short: dict[str, tuple[int, int]] = field(default_factory=dict)
+    never_logged: tuple[str, ...] = ()  # metrics asked for that a reference logged and it did not
+    unchecked: tuple[int, ...] = ()  # steps with grad/found 0: no gradient found, so finite or not is unknown
+    checked_steps: int = 0  # steps with a grad/found value (0: it logged no grad/found)
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -563,7 +568,8 @@ class CandidateSummary:
         """Within the band on every metric it logged, each on enough steps and to its last step, with
         finite gradients."""
         return (self.status == WITHIN and not self.thin and not self.not_compared and not self.past_references
-                and not self.by_order and not self.empty_steps)
+                and not self.by_order and not self.empty_steps and not self.stops_short and not self.never_logged
+                and not self.unchecked)
 
 
 def last_logged(histories: Histories, run_id: str, keys: Sequence[str]) -> dict[str, int]:
@@ -597,7 +603,8 @@ def summarize(divergences: dict[str, dict[str, Divergence]], histories: Historie
     asked for (default: every metric the histories hold); those a candidate did not log are left out,
     those it logged that no reference did are "not compared". `config`: as compare_runs ran, where no
     divergence says it."""
-    from rldiag.app.analysis.nan_events import bad_steps, empty_steps
+    from rldiag.app.analysis.nan_events import bad_steps, empty_steps, unchecked_steps
+    from rldiag.collectors.keys import GRAD_FOUND
 
     keys = list(dict.fromkeys(keys)) if keys is not None else list(histories.keys)
     found = [d for by_cand in divergences.values() for d in by_cand.values()]
@@ -618,7 +625,23 @@ def summarize(divergences: dict[str, dict[str, Divergence]], histories: Historie
             zero + no_ref, no_ref, last_logged(histories, cand, keys),
             past_references={k: d.references_end_step for k, d in mine if d.steps_after_references},
             by_order=logged_by_order(histories, [cand, *reference_ids], logged),
-            empty_steps=tuple(empty_steps(histories, cand))))
+            empty_steps=tuple(empty_steps(histories, cand)), stops_short=stops_short(histories, cand, reference_ids, keys),
+            never_logged=tuple(k for k in keys if k not in logged and any(len(t) for t in histories.for_key(
+                k, reference_ids).values())),
+            unchecked=tuple(unchecked_steps(histories, cand)), checked_steps=len(histories.get(cand, GRAD_FOUND) or ())))
+    return out
+
+
+def stops_short(histories: Histories, run_id: str, reference_ids: Sequence[str], keys: Sequence[str]
+                ) -> dict[str, tuple[int, int]]:
+    """`{key: (its last step, the references' last step)}` for those of `keys` that `run_id` logged but
+    stops logging before the references' last step: the steps after it were not compared."""
+    out = {}
+    for key in keys:
+        t = histories.get(run_id, key)
+        ends = [int(r.steps[-1]) for r in histories.for_key(key, reference_ids).values() if len(r)]
+        if t is not None and len(t) and ends and int(t.steps[-1]) < max(ends):
+            out[key] = (int(t.steps[-1]), max(ends))
     return out
 
 

@@ -37,7 +37,7 @@ from rldiag.app.data.runs import runs_with_metrics
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.plots.decimate import DEFAULT_POINTS
 from rldiag.app.plots.figures import ChartOptions, run_colors, run_order
-from rldiag.app.report.content import empty_text, evidence_parts, nonfinite_text, reference_empty_text
+from rldiag.app.report.content import empty_text, evidence_parts, gap_parts, nonfinite_text, reference_empty_text
 from rldiag.collectors import keys
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
@@ -219,8 +219,13 @@ def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:
              f"{format_ranges(s.empty_steps, limit=4)}"
              for s in summaries if s.empty_steps]
     missed = detectable_text([d for s in summaries if s not in leaving for d in s.within])
+    # compared, no departure, but short of an all-clear: a metric stops early or was never logged, gradients unchecked
+    gaps = [f"**{escape_md(labels[s.run_id])}**: {escape_md('; '.join(g))}" for s in summaries
+            if s not in leaving and s not in cannot and (g := gap_parts(s))]
     if leaving:
         head = f"**{len(leaving)} of {len(summaries)} candidates leave {band}**"
+    elif gaps:
+        head = f"**No departure from {band} found, but not an all-clear**: " + "; ".join(gaps)
     elif len(cannot) == len(summaries):
         needed = summaries[0].steps_needed if summaries else 0
         head = f"**Cannot tell whether a candidate leaves {band}**: too few compared steps ({needed} needed)"

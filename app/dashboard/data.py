@@ -333,7 +333,7 @@ def with_grad_keys(metric_keys: Sequence[str]) -> tuple[str, ...]:
     """`metric_keys` and the metrics behind every "non-finite gradients" headline (grad/norm under any
     trainer's name, grad/finite) and every "no valid tokens" one (batch/valid_tokens, TRL's
     completions/clipped_ratio), loaded whether charted or not."""
-    return tuple(dict.fromkeys([*metric_keys, keys.GRAD_NORM, keys.GRAD_FINITE, keys.BATCH_TOKENS,
+    return tuple(dict.fromkeys([*metric_keys, keys.GRAD_NORM, keys.GRAD_FINITE, keys.GRAD_FOUND, keys.BATCH_TOKENS,
                                      keys.TRL_CLIPPED_RATIO]))
 
 

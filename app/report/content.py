@@ -337,12 +337,36 @@ def evidence_parts(s: CandidateSummary) -> list[str]:
                                "in logging order, point i as step i (log with step= to compare by step)"
                                for step, keys in _by_step(s.by_order)))
     listed = {d.key for d in s.thin} | set(s.not_compared)
-    stopped = [f"{k} last logged at step {step}" for k, step in s.last_logged.items() if k not in listed]
+    stopped = [f"{k} last logged at step {step}" for k, step in s.last_logged.items()
+               if k not in listed and k not in s.stops_short]
     if stopped:
         parts.append("; ".join(stopped))
+    parts += gap_parts(s, listed)
     if not parts and not s.departures:
         parts.append("no metric compared")
     return parts
+
+
+def gap_parts(s: CandidateSummary, listed: set[str] = frozenset()) -> list[str]:
+    """What the comparison of `s` lacks beyond its too-few-steps metrics (those in `listed` say it
+    already), in words: "reward/mean stops at step 59 of 200", "never logged (a reference did): ...",
+    "gradients never checked (grad/found 0 at every step)". Any of them: no all-clear."""
+    stopped = [f"{k} stops at step {mine} of {theirs}" for k, (mine, theirs) in s.stops_short.items()
+               if k not in listed]
+    return ([("; ".join(stopped))] if stopped else []) + (
+        [f"never logged (a reference did): {', '.join(s.never_logged)}"] if s.never_logged else []) + (
+        [t for t in [unchecked_text_of(s)] if t])
+
+
+def unchecked_text_of(s: CandidateSummary) -> str:
+    """ "gradients never checked (grad/found 0 at every step)", "gradients not checked at steps 3-5
+    (grad/found 0)", or "" where every logged step found its gradients."""
+    if not s.unchecked:
+        return ""
+    if len(s.unchecked) >= s.checked_steps:
+        return f"gradients never checked ({K.GRAD_FOUND} 0 at every step)"
+    return (f"gradients not checked at {_plural(len(s.unchecked), 'step')} ({format_ranges(list(s.unchecked), limit=8)}; "
+            f"{K.GRAD_FOUND} 0)")
 
 
 def headline(s: CandidateSummary, label: str) -> str:
