@@ -43,6 +43,7 @@ def import_path(
     """Import (and with `follow`, keep importing) every run at `path`. Returns 0, or 1 when a file had a
     problem or points were not delivered (each said in one line through `say`)."""
     imports: dict[str, RunImport] = {}
+    ended: set[str] = set()  # runs whose tracker recorded their end: not opened again while following
     status, polls = 0, 0
     try:
         while True:
@@ -50,7 +51,7 @@ def import_path(
             last = not follow or (max_polls is not None and polls >= max_polls)
             for reader in find_runs(tracker, path):
                 key = str(reader.source)
-                if key not in imports:
+                if key not in imports and key not in ended:
                     imports[key] = RunImport(reader, tracking_uri, tags=tags_for(reader.name), experiment=experiment)
             for key, imp in list(imports.items()):
                 before = _points(imp)
@@ -66,6 +67,7 @@ def import_path(
                 if follow and out.ended is not None:
                     status |= _finish(imp, out.ended, say)
                     del imports[key]
+                    ended.add(key)
             if last:
                 break
             time.sleep(interval_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -103,3 +104,44 @@ def test_no_event_files_is_one_line_and_no_run(store_uri, tmp_path, capsys):
     assert main(["import", "tensorboard", str(tmp_path / "empty"), "--tracking-uri", store_uri]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no TensorBoard event files" in err and str(tmp_path / "empty") in err
+
+
+def test_follow_imports_new_points_while_running_and_rldiag_watch_alerts_on_the_nan(store_uri, tmp_path):
+    """A verl run still training: the first poll imports steps 0-4; the run then logs a NaN grad norm at
+    step 6; the next poll imports it while the MLflow run is RUNNING, and `rldiag watch --once` alerts."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from rldiag.app.importers.loop import import_path
+
+    logdir = tmp_path / "tb"
+    w = SummaryWriter(str(logdir))
+    for s in range(5):
+        w.add_scalar("actor/grad_norm", 1.0, s)
+    w.flush()
+    said: list[str] = []
+    seen: dict[str, object] = {}
+
+    def say(line: str) -> None:  # runs between polls, in the importer's thread: no timing involved
+        said.append(line)
+        if len(said) == 1:
+            for s in range(5, 8):
+                w.add_scalar("actor/grad_norm", math.nan if s == 6 else 1.0, s)
+            w.flush()
+        elif len(said) == 2:
+            seen["status"] = imported_runs(store_uri)[0].info.status
+            seen["watch"] = main(["watch", "--once", "--tracking-uri", store_uri, "--state", str(tmp_path / "state"),
+                                  "--jsonl", str(tmp_path / "alerts.jsonl")])
+
+    status = import_path("tensorboard", str(logdir), store_uri, tags_for=lambda name: {}, follow=True,
+                         interval_s=0.01, max_polls=3, say=say)
+    w.close()
+    assert status == 0
+    (run,) = imported_runs(store_uri)
+    assert said[0] == f"tb: +5 points (run {run.info.run_id})" and said[1] == f"tb: +3 points (run {run.info.run_id})"
+    assert seen == {"status": "RUNNING", "watch": 1}  # 1: alerts sent
+    (alert,) = [json.loads(ln) for ln in (tmp_path / "alerts.jsonl").read_text().splitlines()]
+    assert (alert["run_id"], alert["step"], alert["keys"]) == (run.info.run_id, 6, {"actor/grad_norm": "nan"})
+    assert run.info.status == "FINISHED" and said[-1].endswith("8 points of 1 keys imported; ended FINISHED")
+    gn = load_histories(open_store(store_uri), [run.info.run_id], [keys.GRAD_NORM]).get(run.info.run_id, keys.GRAD_NORM)
+    np.testing.assert_array_equal(gn.steps, np.arange(8))
+    assert list(gn.nonfinite().nan) == [6]
