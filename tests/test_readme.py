@@ -301,3 +301,19 @@ def test_bench_table_lands_in_bench_readme(tmp_path):
     copy.write_text(TEXT["bench/README.md"])
     assert splice_readme(copy, "| new table |\n")
     assert "| new table |" in copy.read_text() and "<!-- /bench-table -->" in copy.read_text()
+
+
+def test_metrics_page_defines_every_canonical_key():
+    from rldiag.collectors.keys import CANONICAL_METRICS
+
+    missing = [k for k in CANONICAL_METRICS if f"`{k}`" not in TEXT["docs/metrics.md"]]
+    assert not missing, f"docs/metrics.md has no definition of {missing}: add a row to its canonical keys table"
+
+
+def test_metrics_page_alias_table_is_the_code_s():
+    from rldiag.app.data.aliases_sources import aliases_markdown
+
+    table = aliases_markdown().split("\n\nNot found in source:")[0]
+    assert table in TEXT["docs/metrics.md"], (
+        "docs/metrics.md's alias table differs from rldiag.app.data.aliases_sources.aliases_markdown(): "
+        "paste that function's output in its place")
