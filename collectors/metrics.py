@@ -178,15 +178,27 @@ def ratio_stats(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> R
     return _ratio_stats(r, m)
 
 
-def _ess(log_w: Tensor, m: Tensor, count: Tensor) -> Tensor:
-    """Normalised effective sample size `(sum w)^2 / (n sum w^2)` of `w = exp(log_w)` over `m`, in (0, 1].
-    Scale-free, so computed on `w / max w` (no overflow of `w^2`); 1.0 when nothing is valid (no evidence)."""
-    if not m.numel():
-        return log_w.new_ones(())
-    top = torch.where(m, log_w, log_w.new_full((), float("-inf"))).amax()
-    w = torch.where(m, (log_w - top).exp(), log_w.new_zeros(()))
-    s1, s2 = torch.stack([w, w * w]).flatten(1).sum(1).unbind()
-    return torch.where(count > 0, s1 * s1 / (count.clamp(min=1) * s2), log_w.new_ones(())).detach()
+def _ess(w_mean: Tensor, w2_mean: Tensor, count: Tensor) -> Tensor:
+    """Normalised effective sample size `(sum w)^2 / (n sum w^2) = mean(w)^2 / mean(w^2)`, in (0, 1], from the
+    masked means of `w` and `w^2`; 1.0 when nothing is valid (no evidence). The callers pass `w = exp(log w -
+    max log w)`: ESS is scale-free, and so `w^2` never overflows (the largest `w` is 1)."""
+    return torch.where(count > 0, w_mean * w_mean / w2_mean, torch.ones((), dtype=w_mean.dtype, device=w_mean.device))
+
+
+def _ratio_extremes_ess(lr: Tensor, m: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(min r, max r, ESS) over the valid tokens, 1.0 each when none, from two masked copies of the log-ratio:
+    min/max are exp of the extreme log-ratios (exp is monotone), the ESS weights `exp(log r - max log r)` are 0
+    at masked positions (exp(-inf)). Sums and a dot product, no stacked copy: at [64, 2048] the stacked masked
+    means cost several times these passes."""
+    zero, inf = lr.new_zeros(()), lr.new_full((), float("inf"))
+    hi, lo = torch.where(m, lr, -inf), torch.where(m, lr, inf)
+    some = count > 0
+    top = torch.where(some, hi.amax(), zero) if hi.numel() else zero
+    bottom = torch.where(some, lo.amin(), zero) if lo.numel() else zero
+    w = hi.sub_(top).exp_().reshape(-1)
+    s1, s2 = w.sum(), torch.dot(w, w)
+    ess = torch.where(some, s1 * s1 / (count.clamp(min=1) * s2), lr.new_ones(()))
+    return bottom.exp(), top.exp(), ess
 
 
 class ImportanceStats(NamedTuple):
@@ -204,14 +216,27 @@ class ImportanceStats(NamedTuple):
     ess_seq: Tensor
 
 
-def _sequence_stats(lr: Tensor, m: Tensor) -> tuple[Tensor, ...]:
-    """(seq min, seq mean, seq max, seq ESS, seq valid count, seq ratios) over the rows with a valid token."""
+class _SeqStats(NamedTuple):
+    clip_rate: Tensor
+    min: Tensor
+    mean: Tensor
+    max: Tensor
+    ess: Tensor
+    count: Tensor
+
+
+def _sequence_stats(lr: Tensor, m: Tensor, eps_low: float = 0.2, eps_high: float = 0.2) -> _SeqStats:
+    """GSPO's sequence ratios `s_i = exp(mean_t log r)` over the rows with a valid token: the share outside the
+    band, min/mean/max (1.0 when none) and their ESS, in one masked max and one masked sum. min and max are
+    `exp` of the extreme log-ratios (exp is monotone)."""
     seq_lr = lr.sum(-1) / m.sum(-1).clamp(min=1)
-    s, sv = seq_lr.exp(), m.any(-1)
+    sv = m.any(-1)
     n = sv.sum()
-    mean = 1.0 + _masked_means([s - 1.0], sv, n.clamp(min=1))[0]
-    mx, neg_mn = _masked_maxes([s, -s], sv, [1.0, -1.0]).unbind()
-    return -neg_mn, mean, mx, _ess(seq_lr, sv, n), n, s
+    top, neg_bottom = _masked_maxes([seq_lr, -seq_lr], sv, [0.0, 0.0]).unbind()
+    s, w = seq_lr.exp(), (seq_lr - top).exp()
+    terms = [_outside(s, eps_low, eps_high), s - 1.0, w, w * w]
+    out, s_mean, w1, w2 = _masked_means(terms, sv, n.clamp(min=1)).unbind()
+    return _SeqStats(out, (-neg_bottom).exp(), 1.0 + s_mean, top.exp(), _ess(w1, w2, n), n)
 
 
 @torch.no_grad()
@@ -221,10 +246,10 @@ def importance_stats(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None)
     `(sum r)^2 / (n_tokens sum r^2)` over the batch's valid tokens, sequence level the same over the `s_i`
     of the rows with a valid token. `[B, T]` logprobs (the sequence level needs rows)."""
     m, lr, r = _prepared(lp_new, lp_old, mask, rows=True)
-    mean = 1.0 + masked_mean(r - 1.0, m)
-    mx, neg_mn = _masked_maxes([r, -r], m, [1.0, -1.0]).unbind()
-    smn, smean, smx, sess, _, _ = _sequence_stats(lr, m)
-    return ImportanceStats(-neg_mn, mean, mx, smn, smean, smx, _ess(lr, m, m.sum()), sess)
+    count = m.sum()
+    rmin, rmax, ess = _ratio_extremes_ess(lr, m, count)
+    seq = _sequence_stats(lr, m)
+    return ImportanceStats(rmin, 1.0 + masked_mean(r - 1.0, m), rmax, seq.min, seq.mean, seq.max, ess, seq.ess)
 
 
 def _below(lp_engine: Tensor, threshold: float) -> Tensor:
@@ -439,13 +464,12 @@ def policy_metrics(
     """
     m, lr, r = _prepared(lp_new, lp_old, mask, rows=True)  # once, for every ratio-based metric
     count = m.sum()
-    seq_valid = m.any(-1)
     # Every token-level mean in one masked sum and every max in one masked max: the few dozen tiny ops
     # these metrics are one at a time cost more in dispatch than in arithmetic (bench.overhead).
     means: dict[str, Tensor] = {keys.CLIP_RATE: _outside(r, eps_low, eps_high), keys.RATIO_MEAN: r - 1.0,
                                 keys.MISMATCH_LOW_PROB_SHARE: _below(lp_old, keys.LOW_PROB_THRESHOLD)}
     means.update(zip((keys.KL_NEW_OLD, keys.KL_NEW_OLD_K1), _kl_terms(lr, r)))
-    maxes: dict[str, tuple[Tensor, float]] = {keys.RATIO_MAX: (r, 1.0), keys.RATIO_MIN: (-r, -1.0)}
+    maxes: dict[str, tuple[Tensor, float]] = {}
     if advantages is not None:
         means[keys.CLIP_ACTIVE_RATE] = _active(r, advantages.to(r.device), eps_low, eps_high).float()
     if logits is not None:
@@ -462,18 +486,18 @@ def policy_metrics(
         means[keys.MISMATCH_TOKEN_MULT_PROB_ERROR] = mm[0].exp() - 1.0  # 0 at masked positions, where |d| is 0
         maxes[keys.MISMATCH_LOGPROB_MAX], maxes[keys.MISMATCH_PROB_MAX] = (mm[0], 0.0), (mm[1], 0.0)
     mean_v = _masked_means(list(means.values()), m, count.clamp(min=1)).unbind()
-    max_v = _masked_maxes([x for x, _ in maxes.values()], m, [e for _, e in maxes.values()]).unbind()
+    max_v = _masked_maxes([x for x, _ in maxes.values()], m, [e for _, e in maxes.values()]).unbind() if maxes else ()
     got = dict(zip(means, mean_v)) | dict(zip(maxes, max_v))
     got[keys.RATIO_MEAN] = 1.0 + got[keys.RATIO_MEAN]
-    got[keys.RATIO_MIN] = -got[keys.RATIO_MIN]
-    smn, smean, smx, sess, n_seq, s = _sequence_stats(lr, m)
+    got[keys.RATIO_MIN], got[keys.RATIO_MAX], ess = _ratio_extremes_ess(lr, m, count)
+    seq = _sequence_stats(lr, m, eps_low, eps_high)
     out: dict[str, Tensor] = {
         keys.BATCH_TOKENS: count.float(),
-        keys.BATCH_SEQUENCES: n_seq.float(),
+        keys.BATCH_SEQUENCES: seq.count.float(),
         keys.CLIP_RATE: got[keys.CLIP_RATE],
-        keys.CLIP_RATE_SEQ: masked_mean(_outside(s, eps_low, eps_high), seq_valid),
-        keys.RATIO_MIN_SEQ: smn, keys.RATIO_MEAN_SEQ: smean, keys.RATIO_MAX_SEQ: smx,
-        keys.POLICY_ESS: _ess(lr, m, count), keys.POLICY_ESS_SEQ: sess,
+        keys.CLIP_RATE_SEQ: seq.clip_rate,
+        keys.RATIO_MIN_SEQ: seq.min, keys.RATIO_MEAN_SEQ: seq.mean, keys.RATIO_MAX_SEQ: seq.max,
+        keys.POLICY_ESS: ess, keys.POLICY_ESS_SEQ: seq.ess,
     }
     for key in (keys.CLIP_ACTIVE_RATE, keys.RATIO_MEAN, keys.RATIO_MAX, keys.RATIO_MIN, keys.KL_NEW_OLD,
                 keys.KL_NEW_OLD_K1, keys.ENTROPY, keys.MISMATCH_LOW_PROB_SHARE):
