@@ -7,14 +7,14 @@ values to the host in one transfer.
 
 Masked positions are replaced (`torch.where`) before any arithmetic, never multiplied by zero, so a
 `-inf` sentinel at padding cannot turn into NaN (`-inf * 0` and `-inf - -inf` are NaN). Masked means
-divide by `mask.sum().clamp(min=1)`: an empty batch gives 0 (1.0 for the ratio statistics).
+divide by `mask.sum().clamp(min=1)`: an empty batch gives 0 (1.0 for the ratio statistics). The masked
+reductions live in `masked.py`, the importance-sampling health in `importance.py` (both re-exported here).
 Definitions: DESIGN.md, "Canonical metrics".
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-import math
 from typing import NamedTuple
 
 import torch
@@ -22,81 +22,21 @@ import torch
 from rldiag.collectors import keys
 from rldiag.collectors.chunks import Workspace, cache_budget, row_chunks
 from rldiag.collectors.compat.torch import host_dtype
+from rldiag.collectors.importance import ImportanceStats as ImportanceStats  # re-exported
+from rldiag.collectors.importance import _below, _ratio_extremes_ess, _sequence_stats
+from rldiag.collectors.importance import importance_stats as importance_stats  # re-exported
+from rldiag.collectors.importance import low_prob_share as low_prob_share  # re-exported
+from rldiag.collectors.masked import (  # masked_mean, masked_max and _valid are imported from here too
+    _masked_maxes,
+    _masked_means,
+    _outside,
+    _prepared,
+    _valid,
+    masked_max,
+    masked_mean,
+)
 
 Tensor = torch.Tensor
-
-
-def _valid(mask: Tensor | None, like: Tensor) -> Tensor:
-    if mask is None:
-        return torch.ones_like(like, dtype=torch.bool)
-    if mask.shape != like.shape:
-        raise ValueError(
-            f"mask has shape {tuple(mask.shape)} but the values have shape {tuple(like.shape)}; "
-            "pass a [B, T] mask of valid completion tokens matching the logprobs"
-        )
-    return mask.bool()
-
-
-def _masked_means(terms: list[Tensor], m: Tensor, count: Tensor) -> Tensor:
-    """Masked means of several same-shaped terms at once, `[len(terms)]`: one stack, one `where`, one sum
-    (a step's metrics are a few dozen tiny ops otherwise; each costs its dispatch). `count`: the valid
-    positions, clamped to >= 1 (an empty batch gives 0)."""
-    x = torch.stack(terms) if len(terms) > 1 else terms[0][None]
-    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).flatten(1).sum(1)
-    return (total / count).detach()
-
-
-def _masked_maxes(terms: list[Tensor], m: Tensor, empty: list[float]) -> Tensor:
-    """Masked maxima of several same-shaped terms at once, `[len(terms)]`; `empty[i]` where none is valid.
-    The constants are filled on the device (no host-to-device copy, which would wait for the GPU)."""
-    x = torch.stack(terms) if len(terms) > 1 else terms[0][None]
-    lowest = x.new_full((), float("-inf"))
-    best = torch.where(m, x, lowest).flatten(1).amax(1) if m.numel() else lowest.expand(len(terms))
-    fallback = x.new_zeros(len(terms))
-    for i, e in enumerate(empty):
-        if e:
-            fallback[i] = e
-    return torch.where(m.any(), best, fallback).detach()
-
-
-def masked_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Mean of `x` over valid positions; 0 when none is valid. Masked values may be inf or NaN."""
-    m = _valid(mask, x)
-    return _masked_means([x], m, m.sum().clamp(min=1))[0]
-
-
-def masked_max(x: Tensor, mask: Tensor | None = None, *, empty: float = 0.0) -> Tensor:
-    """Max of `x` over valid positions; `empty` when none is valid."""
-    m = _valid(mask, x)
-    return _masked_maxes([x], m, [empty])[0]
-
-
-def _log_ratio(lp_new: Tensor, lp_old: Tensor, m: Tensor) -> Tensor:
-    # Zero at masked positions: exp(0) = 1 there, and no -inf sentinel reaches the subtraction.
-    zero = torch.zeros((), dtype=torch.float32, device=lp_new.device)
-    return torch.where(m, lp_new.float() - lp_old.float(), zero)
-
-
-def _prepared(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None, *, rows: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """`(mask, log ratio, ratio)`, computed once and shared by the ratio-based metrics. `rows`: the caller
-    needs a row per sequence (`[B, T]`: the sequence-level metrics)."""
-    if lp_new.shape != lp_old.shape:
-        raise ValueError(
-            f"lp_new has shape {tuple(lp_new.shape)} but lp_old has shape {tuple(lp_old.shape)}; pass the "
-            "trainer's and the engine's logprobs of the same completion tokens, both [B, T] (padded, with a mask)"
-        )
-    if rows and lp_new.dim() < 2:
-        raise ValueError(
-            f"logprobs of shape {tuple(lp_new.shape)}: the sequence-level metrics need [B, T], one row per "
-            "completion; one sequence: lp.unsqueeze(0); packed sequences: unpack them to [B, T] with a mask"
-        )
-    m = _valid(mask, lp_new)
-    lr = _log_ratio(lp_new, lp_old, m)
-    return m, lr, lr.exp()
-
-
-def _outside(x: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    return ((x < 1.0 - eps_low) | (x > 1.0 + eps_high)).float()
 
 
 @torch.no_grad()
@@ -176,93 +116,6 @@ def ratio_stats(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> R
     """Masked mean and max of the token ratio `r`; both 1.0 for an empty batch (no evidence of drift)."""
     m, _, r = _prepared(lp_new, lp_old, mask)
     return _ratio_stats(r, m)
-
-
-def _ess(w_mean: Tensor, w2_mean: Tensor, count: Tensor) -> Tensor:
-    """Normalised effective sample size `(sum w)^2 / (n sum w^2) = mean(w)^2 / mean(w^2)`, in (0, 1], from the
-    masked means of `w` and `w^2`; 1.0 when nothing is valid (no evidence). The callers pass `w = exp(log w -
-    max log w)`: ESS is scale-free, and so `w^2` never overflows (the largest `w` is 1)."""
-    return torch.where(count > 0, w_mean * w_mean / w2_mean, torch.ones((), dtype=w_mean.dtype, device=w_mean.device))
-
-
-def _ratio_extremes_ess(lr: Tensor, m: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(min r, max r, ESS) over the valid tokens, 1.0 each when none, from two masked copies of the log-ratio:
-    min/max are exp of the extreme log-ratios (exp is monotone), the ESS weights `exp(log r - max log r)` are 0
-    at masked positions (exp(-inf)). Sums and a dot product, no stacked copy: at [64, 2048] the stacked masked
-    means cost several times these passes."""
-    zero, inf = lr.new_zeros(()), lr.new_full((), float("inf"))
-    hi, lo = torch.where(m, lr, -inf), torch.where(m, lr, inf)
-    some = count > 0
-    top = torch.where(some, hi.amax(), zero) if hi.numel() else zero
-    bottom = torch.where(some, lo.amin(), zero) if lo.numel() else zero
-    w = hi.sub_(top).exp_().reshape(-1)
-    s1, s2 = w.sum(), torch.dot(w, w)
-    ess = torch.where(some, s1 * s1 / (count.clamp(min=1) * s2), lr.new_ones(()))
-    return bottom.exp(), top.exp(), ess
-
-
-class ImportanceStats(NamedTuple):
-    """Importance-sampling health of a batch against the rollout policy (`lp_old`): token ratios `r` and
-    sequence ratios `s_i` (GSPO's, the geometric mean of a row's token ratios), min/mean/max over valid
-    tokens (sequences), and the normalised ESS of each (1.0 on-policy; a drop precedes collapse)."""
-
-    ratio_min: Tensor
-    ratio_mean: Tensor
-    ratio_max: Tensor
-    ratio_min_seq: Tensor
-    ratio_mean_seq: Tensor
-    ratio_max_seq: Tensor
-    ess: Tensor
-    ess_seq: Tensor
-
-
-class _SeqStats(NamedTuple):
-    clip_rate: Tensor
-    min: Tensor
-    mean: Tensor
-    max: Tensor
-    ess: Tensor
-    count: Tensor
-
-
-def _sequence_stats(lr: Tensor, m: Tensor, eps_low: float = 0.2, eps_high: float = 0.2) -> _SeqStats:
-    """GSPO's sequence ratios `s_i = exp(mean_t log r)` over the rows with a valid token: the share outside the
-    band, min/mean/max (1.0 when none) and their ESS, in one masked max and one masked sum. min and max are
-    `exp` of the extreme log-ratios (exp is monotone)."""
-    seq_lr = lr.sum(-1) / m.sum(-1).clamp(min=1)
-    sv = m.any(-1)
-    n = sv.sum()
-    top, neg_bottom = _masked_maxes([seq_lr, -seq_lr], sv, [0.0, 0.0]).unbind()
-    s, w = seq_lr.exp(), (seq_lr - top).exp()
-    terms = [_outside(s, eps_low, eps_high), s - 1.0, w, w * w]
-    out, s_mean, w1, w2 = _masked_means(terms, sv, n.clamp(min=1)).unbind()
-    return _SeqStats(out, (-neg_bottom).exp(), 1.0 + s_mean, top.exp(), _ess(w1, w2, n), n)
-
-
-@torch.no_grad()
-def importance_stats(lp_new: Tensor, lp_old: Tensor, mask: Tensor | None = None) -> ImportanceStats:
-    """Importance ratios `r = exp(lp_new - lp_old)` per token and `s_i = exp(mean_t log r)` per sequence
-    (min/mean/max, 1.0 when empty) and the normalised effective sample size of each: token level
-    `(sum r)^2 / (n_tokens sum r^2)` over the batch's valid tokens, sequence level the same over the `s_i`
-    of the rows with a valid token. `[B, T]` logprobs (the sequence level needs rows)."""
-    m, lr, r = _prepared(lp_new, lp_old, mask, rows=True)
-    count = m.sum()
-    rmin, rmax, ess = _ratio_extremes_ess(lr, m, count)
-    seq = _sequence_stats(lr, m)
-    return ImportanceStats(rmin, 1.0 + masked_mean(r - 1.0, m), rmax, seq.min, seq.mean, seq.max, ess, seq.ess)
-
-
-def _below(lp_engine: Tensor, threshold: float) -> Tensor:
-    return (lp_engine.float() < math.log(threshold)).float()
-
-
-@torch.no_grad()
-def low_prob_share(lp_engine: Tensor, mask: Tensor | None = None, *,
-                   threshold: float = keys.LOW_PROB_THRESHOLD) -> Tensor:
-    """Fraction of valid sampled tokens to which the engine gave probability under `threshold`
-    (`exp(lp_engine) < threshold`): where train-inference mismatch concentrates. 0 for an empty batch."""
-    m = _valid(mask, lp_engine)
-    return masked_mean(_below(lp_engine, threshold), m)
 
 
 class KLStats(NamedTuple):
