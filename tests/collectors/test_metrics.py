@@ -463,6 +463,18 @@ def test_effective_sample_size_is_one_on_policy_and_one_over_n_for_one_dominant_
     assert_close(s.ess_seq, t(0.5))
 
 
+def test_a_nan_logprob_at_a_valid_token_shows_in_every_importance_statistic():
+    # never a false all-clear: one NaN trainer logprob makes r, s_0 and both ESS NaN, not a healthy 1.0
+    lp_new, lp_old, mask = batch_from_ratios([[1.0, 1.0], [1.0, PAD]])
+    lp_new[0, 1] = float("nan")
+    s = importance_stats(lp_new, lp_old, mask)
+    for name in ("ratio_min", "ratio_mean", "ratio_max", "ratio_min_seq", "ratio_mean_seq", "ratio_max_seq", "ess",
+                 "ess_seq"):
+        assert torch.isnan(getattr(s, name)), name
+    out = policy_metrics(lp_new, lp_old, mask)
+    assert all(torch.isnan(out[k]) for k in IMPORTANCE_KEYS)
+
+
 def test_low_prob_share_counts_valid_tokens_the_engine_gave_under_1e_3():
     ln = math.log
     lp_engine = torch.tensor([[ln(0.5), ln(0.0009), ln(0.002)], [ln(1e-5), -INF, -INF]])
