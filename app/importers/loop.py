@@ -49,7 +49,7 @@ def import_path(
         while True:
             polls += 1
             last = not follow or (max_polls is not None and polls >= max_polls)
-            for reader in find_runs(tracker, path):
+            for reader in _runs(tracker, path, first=polls == 1, say=say):
                 key = str(reader.source)
                 if key not in imports and key not in ended:
                     imports[key] = RunImport(reader, tracking_uri, tags=tags_for(reader.name), experiment=experiment)
@@ -76,6 +76,17 @@ def import_path(
     for imp in imports.values():
         status |= _finish(imp, imp.outcome.ended if imp.outcome and imp.outcome.ended else "FINISHED", say)
     return status
+
+
+def _runs(tracker: str, path: str, *, first: bool, say: Callable[[str], None]) -> list[Reader]:
+    """The runs at `path`; while following, a path that has gone is said, and the runs known go on."""
+    try:
+        return find_runs(tracker, path)
+    except ValueError as e:
+        if first:
+            raise
+        say(f"{e} (following the runs already found)")
+        return []
 
 
 def _points(imp: RunImport) -> int:

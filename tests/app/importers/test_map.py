@@ -28,7 +28,8 @@ def test_a_bad_mapping_file_is_one_line_and_imports_nothing(store_uri, tmp_path,
     for text, says in (("{not json", "is not JSON"), ('{"*": {"role": "baseline"}}', "role 'baseline'"),
                        ('{"*": {"colour": "red"}}', "give an object with string values")):
         bad.write_text(text)
-        assert main(["import", "tensorboard", str(tmp_path / "tb"), "--map", str(bad), "--tracking-uri", store_uri]) == 2
+        rc = main(["import", "tensorboard", str(tmp_path / "tb"), "--map", str(bad), "--tracking-uri", store_uri])
+        assert rc == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err and str(bad) in err
     assert not imported_runs(store_uri)

@@ -77,7 +77,8 @@ def test_not_a_wandb_run_is_one_line_naming_the_file(store_uri, tmp_path, capsys
     (run_dir / "run-abc.wandb").write_bytes(b"not a wandb file at all")
     assert main(["import", "wandb", str(tmp_path / "wandb"), "--tracking-uri", store_uri]) == 1
     out = capsys.readouterr().out.strip()
-    assert out == f"{run_dir / 'run-abc.wandb'}: not a W&B run file (it does not start with W&B's header ':W&B'); skipped"
+    f = run_dir / "run-abc.wandb"
+    assert out == f"{f}: not a W&B run file (it does not start with W&B's header ':W&B'); skipped"
     (tmp_path / "nothing").mkdir()
     assert main(["import", "wandb", str(tmp_path / "nothing"), "--tracking-uri", store_uri]) == 2
     assert "no W&B run file" in capsys.readouterr().err
