@@ -64,6 +64,8 @@ class NonFiniteGradAlert(StepEvent):
     # where the NaN entered (collectors/nan_origin.py): {"where", "param", "order", "text"}; params are then
     # in backward order, the entry point first
     origin: dict | None = None
+    policy: str | None = None  # the run's non-finite policy (collectors/nonfinite.py); None when not known
+    skipped: bool | None = None  # the weights did not change at this step; None when not known (the watcher)
 
     def as_dict(self) -> dict:
         return super().as_dict() | {"grad_norm": _num(self.grad_norm)}
@@ -81,8 +83,17 @@ class NonFiniteGradAlert(StepEvent):
         order = " (in backward order)" if origin.get("order") in ("autograd", "hooks") else ""
         return (
             f"rldiag: non-finite gradients in run {name} at step {self.step}: grad_norm={self.grad_norm}; "
-            f"{entered}{len(self.params)} parameter tensor(s){order}: {shown}{where}"
+            f"{entered}{len(self.params)} parameter tensor(s){order}: {shown}{where}{self._outcome()}"
         )
+
+    def _outcome(self) -> str:
+        if self.skipped:
+            return "; skipped: the weights did not change"
+        if self.policy == "warn":
+            return "; policy warn: the optimizer stepped on it"
+        if self.policy == "raise":
+            return "; policy raise: training stops"
+        return ""
 
 
 class Sink(Protocol):
@@ -109,22 +120,82 @@ class LoggingSink:
 
 
 class JsonlSink:
-    """Appends every event as one JSON line."""
+    """Appends every event as one JSON line, from a background thread: `send` only queues the line, so the
+    training thread never opens or writes the file. Lines queued together are written with one open and
+    append (the file is opened per batch, so a rotated or removed file is started again); `flush` waits
+    until what was sent is written, `close` writes the rest and stops the thread.
+
+    `background=False` writes in `send` itself, for a caller that must know an event is on disk before it
+    goes on (`rldiag watch` saves its state only after its events are written: at-least-once delivery)."""
 
     rate_limited = False
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, background: bool = True):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+        self.background = background
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._start = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.written = 0
+        self.failed = 0
+
+    def __repr__(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"
 
     def send(self, event: dict) -> None:
-        line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+        line = json.dumps(event, separators=(",", ":"), default=str) + "\n"  # the event as it is now
+        if not self.background:
+            with self._start, open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+            self.written += 1
+            return
+        self._q.put(line)
+        self._running()
 
-    def close(self) -> None:
-        pass
+    def _running(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        with self._start:  # first event, or a forked child (no thread came with it)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="rldiag-alerts-jsonl", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        done = False
+        while not done:
+            items = [self._q.get()]
+            while True:  # everything queued by now: one open and append
+                try:
+                    items.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            lines = [x for x in items if isinstance(x, str)]
+            if lines:
+                try:
+                    with open(self.path, "a", encoding="utf-8") as f:
+                        f.write("".join(lines))
+                    self.written += len(lines)
+                except OSError as e:  # report, never crash the trainer; the next batch tries again
+                    self.failed += len(lines)
+                    log.warning("rldiag: could not append %d alert event(s) to %s: %s", len(lines), self.path, e)
+            for x in items:
+                if isinstance(x, threading.Event):
+                    x.set()
+                done = done or x is None
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every event sent so far is written (or failed); False when `timeout` passed first."""
+        if self._thread is None or not self._thread.is_alive():
+            return self._q.empty()
+        ev = threading.Event()
+        self._q.put(ev)
+        return ev.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join(timeout)
 
 
 def redact_url(url: str) -> str:
@@ -206,7 +277,8 @@ class MlflowTagSink:
             self.first_step = event["step"]
             if (event.get("origin") or {}).get("text"):  # where the first NaN entered: what to fix
                 tags[keys.TAG_ALERT_ORIGIN] = event["origin"]["text"][:5000]
-        last = json.dumps({k: event[k] for k in ("step", "grad_norm", "params", "positions", "origin") if k in event},
+        last = json.dumps({k: event[k] for k in ("step", "grad_norm", "params", "positions", "origin", "skipped")
+                           if k in event},
                           default=str)
         tags.update({
             keys.TAG_ALERT_COUNT: str(self.count),

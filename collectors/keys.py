@@ -66,6 +66,12 @@ GRAD_FOUND = "grad/found"
 # logs no GRAD_FINITE and raises no NaN alert (collectors/amp.py says when it is a real NaN). Not canonical.
 GRAD_LOSS_SCALE = "grad/loss_scale"
 GRAD_SCALER_OVERFLOW = "grad/scaler_overflow"
+# On a non-finite (NaN/inf, not scaler-overflow) step: 1 when the weights did not change (policy "skip": rldiag
+# zeroed the gradients and skipped the optimizer, or the loss scaler skipped it), 0 when the optimizer stepped
+# on it. Logged on those steps only (collectors/nonfinite.py). Not canonical.
+GRAD_SKIPPED = "grad/skipped"
+# The run param naming the non-finite policy in force (warn / skip / raise), logged by Monitor and the callback.
+PARAM_NONFINITE_POLICY = "rldiag.nonfinite_policy"
 
 LOSS = "loss"
 # The unfiltered loss where rldiag logs into a trainer's own run (transformers' MLflowCallback): that run's

@@ -26,8 +26,6 @@ import torch
 from torch import nn
 
 from rldiag.collectors import distributed, keys
-from rldiag.collectors.alerts import NonFiniteGradAlert
-from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_report
 from rldiag.collectors.compat import deepspeed
 from rldiag.collectors.compat.deepspeed import fp16_loss_scale, fp16_without_engine, unwrap_engine
 from rldiag.collectors.compat.torch import grads_unscaled, host_dtype, loss_scale_tensor
@@ -43,9 +41,10 @@ from rldiag.collectors.gradcheck import (
     overflow_free,
     shard_split,
 )
-from rldiag.collectors.loss_event import EmptyBatchCheck, LossCheck
+from rldiag.collectors.loss_event import EmptyBatchCheck
 from rldiag.collectors.metrics import pack, to_host
-from rldiag.collectors.nan_origin import autograd_order, in_order, nan_origin
+from rldiag.collectors.nan_origin import autograd_order
+from rldiag.collectors.nonfinite import NonFinitePolicy, check_policy
 from rldiag.collectors.session import NonFiniteGradientError, RunSession
 from rldiag.collectors.writer import WriterStats
 
@@ -84,23 +83,28 @@ class Monitor:
     A step where no parameter holds a gradient (a call after `zero_grad` or `engine.step()`) is unknown,
     never finite: it logs `grad/found` = 0 and no `grad/norm` or `grad/finite`, warns once, and returns
     True (there is nothing to skip).
+
+    What a checked step leads to (scaler, NaN origin, `grad/*` keys, alert, policy) is `NonFinitePolicy`'s
+    (collectors/nonfinite.py), shared with the transformers callback: the policy is the run param
+    `rldiag.nonfinite_policy`, and a non-finite step logs `grad/skipped` (1: the weights did not change).
     """
 
     def __init__(self, experiment: str = "rldiag", *, per_rank: bool = False, grads_sharded: bool = False,
                  **options: Any):
         self.distributed = distributed.active()
         self.rank = torch.distributed.get_rank() if self.distributed else 0
-        self.policy = options.get("policy", "warn")
+        self.policy = check_policy(options.get("policy", "warn"))
+        self.nonfinite = NonFinitePolicy(self.policy, rank=self.rank, no_grad_hint=(
+            "call Monitor.step after backward() and before zero_grad(); under DeepSpeed after engine.backward() "
+            "and before engine.step(), at the accumulation boundary"))
         self.session = RunSession(experiment, **options) if self.rank == 0 else None
         self.run_id = self.session.run_id if self.session else None
         self.writer = self.session.writer if self.session else None
         self.per_rank, self.grads_sharded = per_rank, grads_sharded
         self.probe = LogitsProbe()
         self.last_report: GradReport | None = None
-        self._overflows = OverflowCounter()
-        self._loss_check = LossCheck()
         self._empty_check = EmptyBatchCheck()
-        self._warned_no_grads = False
+        self.nonfinite.record(self.session)
         self._checked_engine = False
         self._warned_zero_skip = False
 
@@ -179,53 +183,26 @@ class Monitor:
             report, host = self._reduce(vec, n, list(values), entries, step)
         got = dict(zip(values.keys(), host[n : n + len(values)]))
         scale = got[keys.GRAD_LOSS_SCALE] if scale_t is not None else ds_scale
-        if scale is not None:  # DeepSpeed's gradients before engine.step() are always still scaled
-            scaled = scale_t is None or not grads_unscaled(scaler, optimizer)
-            report = unscale_report(report, scale, scaled=scaled, loss=got.get(keys.LOSS))
-        if report.found and report.finite is False and not report.overflow and self.rank == 0:
+        # DeepSpeed's gradients before engine.step() are always still scaled
+        scaled = scale_t is None or not grads_unscaled(scaler, optimizer)
+        order, how = ([], "unknown")
+        if report.found and report.finite is False and self.rank == 0:  # failure path: the backward order
             order, how = autograd_order(loss, model if isinstance(model, nn.Module) else None)
-            report.nonfinite_params = in_order(report.nonfinite_params, order)
-            report.origin = nan_origin(report.nonfinite_params, loss_value=got.get(keys.LOSS), how=how,
-                                       positions=[p.as_dict() for p in report.positions],
-                                       watched=self.probe.watched())
+        report = self.nonfinite.judge(report if report.found else None, scale=scale, scaled=scaled,
+                                      loss=got.get(keys.LOSS), order=order, how=how, watched=self.probe.watched())
         self.probe.reset()
         self.last_report = report
-        in_a_row = self._overflows.update(report)
-        if not report.found and not self._warned_no_grads and self.rank == 0:
-            self._warned_no_grads = True
-            log.warning("rldiag: step %d: no parameter has a gradient, nothing was checked: logging %s = 0 and no "
-                        "%s or %s (call Monitor.step after backward() and before zero_grad(); under DeepSpeed after "
-                        "engine.backward() and before engine.step(), at the accumulation boundary)", step,
-                        keys.GRAD_FOUND, keys.GRAD_NORM, keys.GRAD_FINITE)
-        if self.session is not None:
-            logged = dict(got)
-            logged.update(report.metrics())
-            if self.per_rank and len(host) > n + len(values):
-                per = host[n + len(values):]
-                for r in range(len(per) // max(1, len(values))):
-                    for j, k in enumerate(values):
-                        logged[f"rank{r}/{k}"] = per[r * len(values) + j]
-            self.writer.log_metrics(logged, step)
-            self._loss_check.update(self.session, step, got.get(keys.LOSS), report.finite)
-            self._empty_check.update(step, got.get(keys.BATCH_TOKENS))
+        logged = dict(got)
+        if self.per_rank and len(host) > n + len(values):
+            per = host[n + len(values):]
+            for r in range(len(per) // max(1, len(values))):
+                for j, k in enumerate(values):
+                    logged[f"rank{r}/{k}"] = per[r * len(values) + j]
         if report.finite and max_norm is not None:
             clip_grads(entries, max_norm, report.norm)
-        if report.finite or not report.found:  # unknown: nothing to alert on or to skip
-            return True
-        if report.overflow:  # the scaler skips this step and lowers its scale: its own event, no alert
-            if self.session is not None:
-                self.session.alerts.note(ScalerOverflowEvent(self.run_id, step, report.scale, in_a_row,
-                                                             run_name=self.session.run_name))
-            return True
         if self.session is not None:
-            if report.origin is not None:
-                self.session.alerts.annotate(step, origin=report.origin)
-            go_on = self.session.on_nonfinite(step, report)
-        elif self.policy == "raise":
-            raise NonFiniteGradientError(NonFiniteGradAlert("", step, report.norm, report.nonfinite_params))
-        else:
-            go_on = self.policy == "warn"
-        if go_on or report.scale is not None:  # under a scaler, scaler.step skips it (zeroing would not)
+            self._empty_check.update(step, got.get(keys.BATCH_TOKENS))
+        if self.nonfinite.settle(self.session, step, report, logged, loss=got.get(keys.LOSS)):
             return True
         for e in entries:  # policy "skip", on every rank
             e.grad.zero_()
@@ -260,7 +237,8 @@ class Monitor:
         shared = {name for e in entries if e.sharded or self.grads_sharded for name in e.names()}
         names, positions, _ = distributed.gather_failure(local.nonfinite_params, local.positions, shared=shared)
         if not names:  # every rank's tensors are finite: a float32 norm overflowed, not a NaN
-            return GradReport(norm=self._overflow_free_norm(vec, local_norms[1:n], entries, step), finite=True), host
+            norm = self._overflow_free_norm(vec, local_norms[1:n], entries, step)
+            return GradReport(norm=norm, finite=True), host
         return GradReport(norm=host[0], finite=False, nonfinite_params=names, positions=positions,
                           nonfinite_positions=len(positions)), host
 
@@ -270,7 +248,9 @@ class Monitor:
         _, exact = overflow_free(entries, per)
         per_t = torch.tensor(exact or [0.0], dtype=vec.dtype, device=vec.device)
         v = torch.cat([torch.linalg.vector_norm(per_t).reshape(1), per_t])
-        split = shard_split(per_t, entries, plain_sharded=self.grads_sharded) if any(e.sharded for e in entries) else None
+        split = None
+        if any(e.sharded for e in entries):
+            split = shard_split(per_t, entries, plain_sharded=self.grads_sharded)
         red = distributed.reduce_step(v, v.numel(), [], sharded=self.grads_sharded, split=split,
                                       found=bool(entries), step=step)
         return float(red.vector[0])

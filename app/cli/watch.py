@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     try:
         store = open_store(args.tracking_uri)
+        if args.tag_runs:  # opened now: a store of another schema is one line here, never migrated
+            store.write_client  # noqa: B018
     except DataError as e:
         raise CliError(str(e)) from None
     sinks: list = [LoggingSink()]
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         if webhook:
             sinks.append(WebhookSink(webhook))
         if args.jsonl:
-            sinks.append(JsonlSink(args.jsonl))
+            sinks.append(JsonlSink(args.jsonl, background=False))  # on disk before the state is saved
         lock = StateLock(args.state).acquire()
         state = WatchState.load(args.state)
     except (StateError, ValueError, OSError) as e:

@@ -9,7 +9,9 @@ Each optimizer step (the logic lives in the core: `AccumulatedGradCheck`, `RunSe
   positions (per micro-batch) whose logits got non-finite gradients;
 - per-parameter gradient norms are recorded as gradients accumulate, i.e. before `Trainer` clips
   (clipping a NaN total norm makes every gradient NaN), and judged in `on_pre_optimizer_step` with one
-  host transfer: the same alert and warn/skip/raise policy as `Monitor`;
+  host transfer: the same alert and warn/skip/raise policy as `Monitor` (one `NonFinitePolicy`,
+  collectors/nonfinite.py: the run param `rldiag.nonfinite_policy`, `grad/skipped` on a non-finite step,
+  `grad/found` 0 where no gradient reached `.grad`);
 - `skip` zeroes the gradients and turns the coming `optimizer.step()` into a no-op for that one call
   (transformers 5.2 to 5.24 call `self.optimizer.step()` right after `on_pre_optimizer_step` and have
   no flag to skip it). The step still counts: `global_step` and the LR schedule advance;
@@ -54,15 +56,12 @@ import torch
 
 from rldiag.collectors import distributed, keys
 from rldiag.collectors.accumulated import AccumulatedGradCheck
-from rldiag.collectors.alerts import NonFiniteGradAlert
-from rldiag.collectors.amp import OverflowCounter, ScalerOverflowEvent, unscale_report
 from rldiag.collectors.compat import deepspeed
 from rldiag.collectors.compat.torch import loss_scale_tensor
 from rldiag.collectors.gradcheck import GradReport, LogitsProbe
 from rldiag.collectors.import_utils import require
-from rldiag.collectors.loss_event import LossCheck
-from rldiag.collectors.nan_origin import in_order, nan_origin
-from rldiag.collectors.session import POLICIES, NonFiniteGradientError, RunSession
+from rldiag.collectors.nonfinite import NonFinitePolicy, check_policy
+from rldiag.collectors.session import NonFiniteGradientError, RunSession
 
 require("transformers", "hf", purpose="rldiag's transformers/TRL callback")
 
@@ -133,9 +132,7 @@ class RldiagCallback(TrainerCallback):
             raise TypeError(f"unknown option(s) {sorted(unknown)}; RunSession takes {sorted(_SESSION_OPTIONS)}")
         if session is not None and options:
             raise TypeError(f"pass either session= or RunSession options, not both (got {sorted(options)})")
-        policy = options.get("policy", "warn")
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r} is not one of {POLICIES}; e.g. policy='skip'")
+        policy = check_policy(options.get("policy", "warn"))
         self.session = session
         self._owns_session = session is None
         self._experiment = experiment
@@ -144,14 +141,12 @@ class RldiagCallback(TrainerCallback):
         self._loss_sum: torch.Tensor | None = None
         self._attached = False
         self._restore_step = None
-        self._warned_no_grads = False
-        self._policy = policy if session is None else session.policy
+        self.nonfinite = NonFinitePolicy(policy if session is None else session.policy, no_grad_hint=(
+            "no gradient reached .grad before the optimizer step: DeepSpeed or FSDP keeping them elsewhere?"))
         self._distributed = False
         self._device: torch.device | None = None
         self._probe = LogitsProbe()
         self._probe_handle = None
-        self._overflows = OverflowCounter()
-        self._loss_check = LossCheck()
         self._shared_run = False  # logging into transformers' MLflowCallback run (report_to="mlflow")
         self._zero = False  # DeepSpeed ZeRO through accelerate (its engine steps inside accelerator.backward)
         self._trainer_norm: Any = None  # what accelerate's clip_grad_norm_ returned this step (attach() records it)
@@ -202,6 +197,7 @@ class RldiagCallback(TrainerCallback):
     # ---- lifecycle -----------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         params = trainer_params(args)
+        self.nonfinite.rank = 0 if state.is_world_process_zero else max(1, getattr(args, "process_index", 1))
         if state.is_world_process_zero:
             self._open(params, args)
         self._loss_sum = None
@@ -258,60 +254,30 @@ class RldiagCallback(TrainerCallback):
                 report.norm = math.sqrt(shard_sq + rest_sq)  # NaN when any rank's is
             report = self._agree(report, any_rank_bad=bad_ranks != 0.0, shared=shared)
         scale = extra.pop() if scale_t is not None else None
-        if report is not None:
-            # the norms were taken at the end of backward, before the Trainer's unscale_: still scaled
-            report = unscale_report(report, scale, scaled=True, loss=extra[0] if extra else None)
-            if report.finite is False and not report.overflow and self.session is not None:
-                report.nonfinite_params = in_order(report.nonfinite_params, self._check.order())
-                report.origin = nan_origin(report.nonfinite_params, loss_value=extra[0] if extra else None,
-                                           positions=[p.as_dict() for p in report.positions], watched=watched,
-                                           how="hooks")
-        norm_unknown = self._reduced_norm(report, shared=shared, trainer_norm=trainer_norm, optimizer=optimizer)
-        in_a_row = self._overflows.update(report) if report is not None else 0
-        if self.session is not None:  # rank 0
-            # in the trainer's run, `loss` is MLflowCallback's (filtered) value: the real one goes beside it
-            values = {(REAL_LOSS if self._shared_run else keys.LOSS): extra[0]} if extra else {}
-            if report is None:
-                if not self._warned_no_grads:
-                    self._warned_no_grads = True
-                    log.warning("rldiag: step %d: no gradient reached .grad (DeepSpeed/FSDP?); the check is off",
-                                step)
-            else:
-                values.update(report.metrics())
-                if norm_unknown:  # no norm is made up: the flag alone, and the Trainer's grad_norm where it logs one
-                    values.pop(keys.GRAD_NORM, None)
-                    self._norm_from_log = step
-            self.session.writer.log_metrics(values, step)
-            self._loss_check.update(self.session, step, extra[0] if extra else None,
-                                    report.finite if report is not None else None)
-        if report is None or report.finite:
-            return
-        if report.overflow:  # the scaler skips this step in optimizer.step() and halves its scale
-            if self.session is not None:
-                self.session.alerts.note(ScalerOverflowEvent(self.session.run_id, step, report.scale, in_a_row,
-                                                             run_name=self.session.run_name))
-            return
-        if self.session is not None:
-            if report.origin is not None:
-                self.session.alerts.annotate(step, origin=report.origin)
-            try:
-                step_anyway = self.session.on_nonfinite(step, report)
-            except NonFiniteGradientError:
-                self._finish("FAILED")
-                raise
-        elif self._policy == "raise":  # the other ranks stop with rank 0
+        loss_value = extra[0] if extra else None
+        # the norms were taken at the end of backward, before the Trainer's unscale_: still scaled
+        failed = report is not None and report.finite is False and self.session is not None
+        report = self.nonfinite.judge(report, scale=scale, scaled=True, loss=loss_value, how="hooks",
+                                      order=self._check.order() if failed else (), watched=watched)
+        if self._reduced_norm(report, shared=shared, trainer_norm=trainer_norm, optimizer=optimizer):
+            self._norm_from_log = step  # no norm is made up: the flag alone, and the Trainer's grad_norm
+        # in the trainer's run, `loss` is MLflowCallback's (filtered) value: the real one goes beside it
+        values = {(REAL_LOSS if self._shared_run else keys.LOSS): loss_value} if extra else {}
+        try:
+            step_anyway = self.nonfinite.settle(self.session, step, report, values, loss=loss_value,
+                                                can_skip=not self._zero)
+        except NonFiniteGradientError:  # the other ranks stop with rank 0
             self._finish("FAILED")
-            raise NonFiniteGradientError(NonFiniteGradAlert("", step, report.norm, report.nonfinite_params))
-        else:
-            step_anyway = self._policy == "warn"
-        if not step_anyway and self._zero:  # the engine stepped inside accelerator.backward, before this hook
+            raise
+        if self._zero and self.nonfinite.policy == "skip" and report.finite is False and not report.overflow:
+            # the engine stepped inside accelerator.backward, before this hook
             if not self._warned_zero_skip:
                 self._warned_zero_skip = True
                 log.warning("rldiag: step %d: policy 'skip' cannot skip under DeepSpeed through accelerate (the "
                             "engine has already stepped); DeepSpeed skips a non-finite step itself under fp16 and, "
                             "in ZeRO 1-2 without bf16, with gradient_clipping set", step)
             return
-        if not step_anyway and report.scale is None:  # policy "skip"; under a scaler its step skips it
+        if not step_anyway:  # policy "skip" (True under a scaler: its step skips it)
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
@@ -381,7 +347,9 @@ class RldiagCallback(TrainerCallback):
             self._shared_run = shared
             self.session = RunSession(experiment, **options)
             self._owns_session = True
+            self.nonfinite.record(self.session)
             return
+        self.nonfinite.record(self.session)
         from mlflow.entities import Param
 
         from rldiag.collectors.mlflow_store import flatten_params

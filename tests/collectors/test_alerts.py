@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -238,6 +240,7 @@ def test_a_failing_sink_does_not_stop_the_others(tmp_path, caplog, webhook_serve
     dispatcher.emit(alert(1))
     dispatcher.emit(alert(2))
     webhook.close()
+    assert jsonl.flush()
 
     assert [e["step"] for e in recording.events] == [1, 2]
     assert len((tmp_path / "alerts.jsonl").read_text(encoding="utf-8").splitlines()) == 2
@@ -257,6 +260,7 @@ def test_a_sink_failing_on_close_does_not_stop_the_others_closing():
 def test_jsonl_sink_writes_one_parseable_line_per_event(tmp_path):
     sink = JsonlSink(tmp_path / "nested" / "alerts.jsonl")  # creates the folder
     sink.send(alert(4, grad_norm=float("inf")).as_dict())
+    sink.close()
     [line] = (tmp_path / "nested" / "alerts.jsonl").read_text(encoding="utf-8").splitlines()
 
     def reject(token: str):
@@ -271,3 +275,60 @@ def test_webhook_url_with_a_bad_port_is_refused_at_configuration():
     with pytest.raises(ValueError, match="invalid port") as err:
         WebhookSink("http://127.0.0.1:abc/SECRET-PATH")
     assert "SECRET" not in str(err.value)
+
+
+# --- (e) the JSONL sink does no file I/O on the caller's (training) thread ---------------------------
+_opened: list[tuple[str, int]] = []  # (path, thread id) of every open() of a file named alerts-audit*.jsonl
+
+
+def _audit(event: str, args: tuple) -> None:
+    path = args[0] if event == "open" and args else None
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if isinstance(path, str) and "alerts-audit" in path:
+        _opened.append((path, threading.get_ident()))
+
+
+sys.addaudithook(_audit)  # Python's own audit events: every open() in this process, whoever calls it
+
+
+def test_jsonl_sink_opens_its_file_only_off_the_calling_thread_and_in_batches(tmp_path):
+    path = tmp_path / "alerts-audit.jsonl"
+    sink = JsonlSink(path)
+    dispatcher = AlertDispatcher([sink], clock=FakeClock())
+    _opened.clear()
+    for step in range(500):
+        dispatcher.emit(alert(step))
+    dispatcher.close("0123abcd")  # writes what is queued, then stops the thread
+    opened = list(_opened)  # before this test reads the file itself
+    assert [json.loads(line)["step"] for line in path.read_text(encoding="utf-8").splitlines()] == list(range(500))
+    assert opened, "the file was never opened"
+    assert all(tid != threading.get_ident() for _, tid in opened)  # never on the thread that emitted
+    assert len(opened) < 500 and sink.written == 500 and sink.failed == 0
+
+
+def test_jsonl_sink_flush_writes_what_was_sent_and_a_later_event_after_close_still_lands(tmp_path):
+    path = tmp_path / "alerts.jsonl"
+    sink = JsonlSink(path)
+    sink.send(alert(1).as_dict())
+    assert sink.flush() and len(path.read_text(encoding="utf-8").splitlines()) == 1
+    sink.close()
+    sink.send(alert(2).as_dict())  # after close: a new thread, never lost
+    sink.close()
+    assert [json.loads(line)["step"] for line in path.read_text(encoding="utf-8").splitlines()] == [1, 2]
+
+
+def test_jsonl_sink_that_cannot_write_counts_and_warns_and_never_raises(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="rldiag.alerts")
+    sink = JsonlSink(tmp_path / "alerts.jsonl")
+    (tmp_path / "alerts.jsonl").mkdir()  # a folder where the file should be: open() fails
+    sink.send(alert(1).as_dict())
+    sink.close()
+    assert sink.failed == 1 and sink.written == 0
+    assert any("could not append 1 alert event" in r.getMessage() for r in caplog.records)
+
+
+def test_jsonl_sink_in_the_foreground_writes_before_send_returns(tmp_path):
+    path = tmp_path / "alerts.jsonl"
+    sink = JsonlSink(path, background=False)  # rldiag watch: on disk before its state is saved
+    sink.send(alert(3).as_dict())
+    assert json.loads(path.read_text(encoding="utf-8"))["step"] == 3

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +33,11 @@ from rldiag.app.data.store import open_store
 from rldiag.app.watch.loop import Watcher
 from rldiag.app.watch.state import RunState, WatchState, in_ranges
 from rldiag.collectors import keys
-from rldiag.collectors.alerts import JsonlSink
+from rldiag.collectors.alerts import JsonlSink as _JsonlSink
 from tests.app.conftest import log_raw, write_run
 from tests.conftest import free_port
+
+JsonlSink = partial(_JsonlSink, background=False)  # as `rldiag watch` builds it: written before the state is saved
 
 RLDIAG = str(Path(sys.executable).parent / "rldiag")
 MAX_FLOAT = 1.7976931348623157e308
