@@ -97,3 +97,46 @@ def test_trainer_callback_overflow_is_a_finite_step_without_a_made_up_norm(sqlit
     assert [m.value for m in client.get_metric_history(rid, keys.GRAD_FINITE)] == [1.0]
     assert client.get_metric_history(rid, keys.GRAD_NORM) == []
     assert not alerts.exists() or alerts.read_text() == ""
+
+
+def _ddp_worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from tests.gloo_job import teardown
+
+    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    (net(x).sum() * (BIG if rank == 1 else 1.0)).backward()  # rank 1's float32 norm overflows
+    with Monitor("overflow-ddp", tracking_uri=uri, spill_dir=os.path.join(out_dir, f"spill{rank}")) as mon:
+        go = mon.step(0, net)
+        out = {"go": go, "finite": mon.last_report.finite, "norm": mon.last_report.norm, "run_id": mon.run_id}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    teardown()
+
+
+@pytest.mark.timeout(300)
+def test_under_ddp_one_rank_s_overflowing_norm_is_finite_on_every_rank(sqlite_uri, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    mp.start_processes(_ddp_worker, args=(2, free_port(), sqlite_uri, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    (net(torch.randn(5, 4, generator=torch.Generator().manual_seed(1))).sum() * BIG).backward()
+    exact = math.sqrt(math.fsum(float(p.grad.double().square().sum()) for p in net.parameters()))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:  # replicated (DDP): the largest rank's norm, rank 1's, finite on both ranks
+        assert r["go"] is True and r["finite"] is True and r["norm"] == pytest.approx(exact, rel=1e-6)
+    client = mlflow.MlflowClient(sqlite_uri)
+    assert client.get_metric_history(ranks[0]["run_id"], keys.GRAD_NORM)[0].value == pytest.approx(exact, rel=1e-6)
