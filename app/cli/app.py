@@ -56,7 +56,7 @@ def streamlit_command(host: str, port: int) -> list[str]:
     through `rldiag.app.dashboard.serve` (it pays the first page load's imports while the server starts)."""
     return [sys.executable, "-m", "rldiag.app.dashboard.serve", "run", str(APP), "--server.headless", "true",
             "--server.address", host, "--server.port", str(port), "--browser.gatherUsageStats", "false",
-            "--server.fileWatcherType", "none"]
+            "--server.fileWatcherType", "none", "--client.toolbarMode", "viewer"]
 
 
 def _check_free(host: str, port: int) -> None:

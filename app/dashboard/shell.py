@@ -4,6 +4,8 @@ Read-only: nothing here writes to a run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import streamlit as st
 
 from rldiag.app.dashboard import compare, config_diff, config_table, html_table, nan_events, overview
@@ -28,10 +30,15 @@ PAGES = (  # (render function, title, url path, icon)
 )
 
 
+# The tab's icon, served by this server: a Material icon name here makes the browser fetch it from a
+# font host on the internet, and no page may ask anything of another machine.
+FAVICON = Path(__file__).resolve().parent / "static" / "favicon.png"
+
+
 def main(start: str | None = None) -> None:
     """Draw the sidebar and the page the URL names; `start` (a url path, e.g. "compare") is the page a
     bare URL opens (default: the runs overview)."""
-    st.set_page_config(page_title="rldiag", page_icon=":material/monitoring:", layout="wide")
+    st.set_page_config(page_title="rldiag", page_icon=str(FAVICON), layout="wide")
     st.html(f"<style>{CSS}</style>")
     try:
         render_sidebar()
@@ -39,7 +46,13 @@ def main(start: str | None = None) -> None:
         st.error(f"**Cannot read the tracking store.** {escape_md(str(e))}", icon=":material/cloud_off:")
         st.stop()
     first = start or PAGES[0][2]
-    pages = [st.Page(f, title=t, url_path=u, icon=i, default=u == first) for f, t, u, i in PAGES]
+    # Streamlit serves the default page at / and reserves its url path without serving it: /runs (a
+    # bookmark, a link in the docs) would open "Page not found". The default page reserves another path,
+    # and a hidden page under the real one draws the same page.
+    pages = [st.Page(f, title=t, url_path=u, icon=i) if u != first else st.Page(f, title=t, url_path=f"{u}-start",
+                                                                               icon=i, default=True)
+             for f, t, u, i in PAGES]
+    pages += [st.Page(f, title=t, url_path=u, visibility="hidden") for f, t, u, _ in PAGES if u == first]
     page = st.navigation(pages)
     try:
         page.run()

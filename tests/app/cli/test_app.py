@@ -52,7 +52,8 @@ def test_streamlit_command_is_headless_on_the_given_address():
     assert cmd[:4] == [sys.executable, "-m", "rldiag.app.dashboard.serve", "run"] and cmd[4].endswith("app/dashboard/streamlit_app.py")
     flags = dict(zip(cmd[5::2], cmd[6::2]))
     assert flags == {"--server.headless": "true", "--server.address": "0.0.0.0", "--server.port": "8600",
-                     "--browser.gatherUsageStats": "false", "--server.fileWatcherType": "none"}
+                     "--browser.gatherUsageStats": "false", "--server.fileWatcherType": "none",
+                     "--client.toolbarMode": "viewer"}  # no "Deploy" button on a local read-only tool
 
 
 def test_a_bad_uri_or_experiment_exits_2_before_serving(store_uri, capsys, tmp_path):
