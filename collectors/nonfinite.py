@@ -119,6 +119,12 @@ class NonFinitePolicy:
             return True
         if not bad:  # finite, or unknown: nothing to alert on or to skip
             return True
+        return self.alert(session, step, report, can_skip=can_skip)
+
+    def alert(self, session: Any, step: int, report: GradReport, *, can_skip: bool = True) -> bool:
+        """The NaN alert of a non-finite `report` (sent and kept by `session`, rank 0) and the policy: True to
+        step anyway, False to skip; raises `NonFiniteGradientError` under `raise`."""
+        skipped = self.skips(report, can_skip=can_skip)
         alert = NonFiniteGradAlert(
             run_id=session.run_id if session is not None else "", step=step, grad_norm=report.norm,
             params=report.nonfinite_params, positions=[p.as_dict() for p in report.positions],

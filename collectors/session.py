@@ -153,18 +153,11 @@ class RunSession:
 
     def on_nonfinite(self, step: int, report: GradReport) -> bool:
         """Alert on a non-finite step and apply the policy: True to step anyway (`warn`), False to skip
-        (`skip`; the caller zeroes the grads); raises `NonFiniteGradientError` under `raise`."""
-        alert = NonFiniteGradAlert(
-            run_id=self.run_id, run_name=self.run_name, step=step, grad_norm=report.norm,
-            params=report.nonfinite_params, positions=[p.as_dict() for p in report.positions],
-            nonfinite_positions=report.nonfinite_positions,
-        )
-        self.alerts.emit(alert)
-        if len(self.events) < MAX_EVENTS_KEPT:
-            self.events.append(alert.as_dict())
-        if self.policy == "raise":
-            raise NonFiniteGradientError(alert)
-        return self.policy == "warn"
+        (`skip`; the caller zeroes the grads); raises `NonFiniteGradientError` under `raise`. The one
+        implementation is `collectors.nonfinite.NonFinitePolicy.alert`."""
+        from rldiag.collectors.nonfinite import NonFinitePolicy
+
+        return NonFinitePolicy(self.policy).alert(self, step, report)
 
     def close(self, status: str = "FINISHED", *, timeout: float | None = None) -> WriterStats:
         """Drain the writer, send held-back alert summaries, store the alert events, end the run with

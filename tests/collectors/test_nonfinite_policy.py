@@ -178,3 +178,18 @@ def test_the_alert_text_says_what_happened_to_the_weights():
     assert "skipped: the weights did not change" in NonFiniteGradAlert(**base, policy="skip", skipped=True).text()
     assert "the optimizer stepped on it" in NonFiniteGradAlert(**base, policy="warn", skipped=False).text()
     assert "skipped" not in NonFiniteGradAlert(**base).text()  # the watcher does not know
+
+
+def test_run_session_on_nonfinite_is_the_same_alert_and_policy(sqlite_uri):
+    from rldiag.collectors.gradcheck import GradReport
+    from rldiag.collectors.session import RunSession
+
+    session = RunSession("direct", tracking_uri=sqlite_uri, policy="skip")
+    try:
+        report = GradReport(norm=float("nan"), finite=False, nonfinite_params=["w"])
+        assert session.on_nonfinite(5, report) is False
+        (event,) = session.events
+        assert (event["step"], event["policy"], event["skipped"]) == (5, "skip", True)
+        assert "skipped: the weights did not change" in event["text"]
+    finally:
+        session.close()
