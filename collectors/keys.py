@@ -198,6 +198,14 @@ ALIAS_NOTES: dict[str, str] = {
     "rl/kl_new_old": "PipelineRL: per-sequence token means, averaged over sequences",
     "rl/ratio_new_old": "PipelineRL: per-sequence token means, averaged over sequences",
     "rl/clamp_log_ratio_new_old_indicator": "PipelineRL: per-sequence token means, averaged over sequences",
+    "train/sampling/sampling_logp_difference/mean": "TRL: token mean per process, then averaged over processes",
+    "entropy/all/mean": "prime-rl: entropy of the temperature-scaled logits",
+    "policy/loss_metrics/clip_ratio": "SkyRL: token mean per micro-batch, averaged over micro-batches",
+    "policy/policy_entropy": "SkyRL: token mean per micro-batch, averaged over micro-batches",
+    "train/ppo_clip_ratio": "OpenRLHF: the ratio against the actor's recomputed old logprobs, not the engine's",
+    "ppo_clip_ratio": "OpenRLHF: the ratio against the actor's recomputed old logprobs, not the engine's",
+    "ppo_actor/update/clip_ratio/avg": "AReaL: the ratio against the proximal policy, not the engine's",
+    "rl/entropy": "PipelineRL: per-sequence token means, averaged over sequences",
 }
 
 

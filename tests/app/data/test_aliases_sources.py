@@ -24,6 +24,10 @@ def test_the_alias_table_is_exactly_the_sourced_aliases():
     assert aliases() == keys.ALIASES
 
 
+def test_every_alias_note_is_about_an_alias():
+    assert set(keys.ALIAS_NOTES) <= set(keys.ALIASES)
+
+
 def test_every_target_is_a_canonical_key_and_no_key_has_two_targets():
     targets: dict[str, set[str | None]] = defaultdict(set)
     for m in FOREIGN_METRICS:
