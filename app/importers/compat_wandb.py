@@ -79,5 +79,6 @@ def parse_record(data: bytes):
 
 
 def item_key(item) -> str:
-    """A history or config item's name: `key`, or its `nested_key` path joined with '/'."""
-    return item.key or "/".join(item.nested_key)
+    """A history or config item's name: `key`, or its `nested_key` path (a nested dict's) joined with '.',
+    as W&B's UI names it (`{"a": {"b": 1}}` is `a.b`; a key `train/loss` stays as it is)."""
+    return item.key or ".".join(item.nested_key)

@@ -145,3 +145,12 @@ def test_follow_imports_new_points_while_running_and_rldiag_watch_alerts_on_the_
     gn = load_histories(open_store(store_uri), [run.info.run_id], [keys.GRAD_NORM]).get(run.info.run_id, keys.GRAD_NORM)
     np.testing.assert_array_equal(gn.steps, np.arange(8))
     assert list(gn.nonfinite().nan) == [6]
+
+
+def test_a_tag_mlflow_refuses_is_logged_under_a_close_name_and_reimported_idempotently(store_uri, tmp_path):
+    logdir = tmp_path / "tb"
+    write_tensorboard(logdir, [(s, {"eval/acc@1": s / 10}) for s in range(5)])
+    assert main(["import", "tensorboard", str(logdir), "--tracking-uri", store_uri]) == 0
+    assert main(["import", "tensorboard", str(logdir), "--tracking-uri", store_uri]) == 0
+    (run,) = imported_runs(store_uri)
+    assert set(run.data.metrics) == {"eval/acc_1"} and metric_rows(store_uri) == 5

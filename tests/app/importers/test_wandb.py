@@ -93,3 +93,28 @@ def test_follow_ends_a_wandb_run_at_its_exit_record_failed_on_a_nonzero_exit(sto
     (run,) = imported_runs(store_uri)
     assert run.info.status == "FAILED"
     assert said[-1].endswith("ended FAILED") and sum("ended" in s for s in said) == 1  # ended once, not per poll
+
+
+NESTED_SCRIPT = """
+import sys, wandb
+run = wandb.init(project="p", dir=sys.argv[1])
+for s in range(3):
+    run.log({"rollout_corr": {"kl": 0.1 * s, "ess": {"norm": 0.9}}, "done": s == 2, "note": "text", "lst": [1, 2]},
+            step=s)
+run.finish()
+"""
+
+
+def test_nested_dicts_are_named_as_wandb_shows_them_and_non_numbers_are_left_out(store_uri, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    subprocess.run([sys.executable, "-c", NESTED_SCRIPT, str(tmp_path)], env=env, check=True, timeout=300)
+    assert import_path("wandb", str(tmp_path / "wandb"), store_uri, tags_for=lambda name: {}, say=print) == 0
+    (run,) = imported_runs(store_uri)
+    h = load_histories(open_store(store_uri), [run.info.run_id])
+    assert sorted(h.keys) == ["done", "rollout_corr.ess.norm", "rollout_corr.kl"]
+    np.testing.assert_allclose(h.get(run.info.run_id, "rollout_corr.kl").values, [0.0, 0.1, 0.2])
+    np.testing.assert_array_equal(h.get(run.info.run_id, "done").values, [0.0, 0.0, 1.0])
