@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> dict:
         "reader_ratio": t_read / t_ea, "import_ratio": t_imp / t_ea, "import_points_per_s": rows / t_imp,
         "rows": rows, "rows_after_reimport": rows2, "nan_rows": nans, "all_points_stored": ok,
         "import_lines": said[:3] + said2[:3],
-        "summary": summary_row(
+        "summary": [summary_row(
             f"import {a.runs}x{a.scalars}x{a.steps} TensorBoard points", f"{t_imp:.1f} s (reader alone {t_read:.1f} s)",
             f"EventAccumulator read {t_ea:.1f} s", f"{t_imp / t_ea:.1f}x", "every point stored, re-import adds 0",
-            ok),
+            ok)],
     }
     path = write_result(NAME + ("_quick" if a.quick else ""), result)
     print(f"{'OK' if ok else 'MISMATCH'}: wrote {path}")
