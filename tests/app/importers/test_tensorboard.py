@@ -154,3 +154,22 @@ def test_a_tag_mlflow_refuses_is_logged_under_a_close_name_and_reimported_idempo
     assert main(["import", "tensorboard", str(logdir), "--tracking-uri", store_uri]) == 0
     (run,) = imported_runs(store_uri)
     assert set(run.data.metrics) == {"eval/acc_1"} and metric_rows(store_uri) == 5
+
+
+def test_follow_picks_up_a_run_folder_that_appears_under_the_logdir(store_uri, tmp_path):
+    from rldiag.app.importers.loop import import_path
+
+    logdir = tmp_path / "tb"
+    write_tensorboard(logdir / "a", [(0, {"loss": 1.0})])
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if line.startswith("a: +"):  # between the first and the second poll, a second job starts logging
+            write_tensorboard(logdir / "b", [(0, {"loss": 2.0}), (1, {"loss": 3.0})])
+
+    assert import_path("tensorboard", str(logdir), store_uri, tags_for=lambda name: {"rldiag.group": "g"},
+                       follow=True, interval_s=0.01, max_polls=2, say=say) == 0
+    runs = {r.info.run_name: r for r in imported_runs(store_uri)}
+    assert sorted(runs) == ["a", "b"] and runs["b"].data.tags["rldiag.group"] == "g"
+    assert [s for s in said if s.startswith("b: +")] == [f"b: +2 points (run {runs['b'].info.run_id})"]
