@@ -60,11 +60,14 @@ def import_path(
                     say(line)
                     status = 1
                 out.problems.clear()
-                if out.run_id and (not follow or _points(imp) > before):
+                if not follow:  # one run at a time: its writer's threads end before the next run's start
+                    status |= _finish(imp, out.ended or "FINISHED", say)
+                    del imports[key]
+                    continue
+                if out.run_id and _points(imp) > before:
                     imp.flush()
-                    if follow:
-                        say(f"{imp.reader.name}: +{_points(imp) - before} points (run {out.run_id})")
-                if follow and out.ended is not None:
+                    say(f"{imp.reader.name}: +{_points(imp) - before} points (run {out.run_id})")
+                if out.ended is not None:
                     status |= _finish(imp, out.ended, say)
                     del imports[key]
                     ended.add(key)
