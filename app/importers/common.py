@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -23,6 +23,7 @@ TAG_SOURCE = "rldiag.import.source"  # the absolute path of the imported run (fo
 TAG_SOURCE_ID = "rldiag.import.id"  # a hash of that path: what a later import searches for
 TAG_TRACKER = "rldiag.import.tracker"  # "tensorboard" or "wandb"
 FLUSH_EVERY = 50_000  # points enqueued between two waits for the store (bounded memory, honest progress)
+CHUNK_BYTES = 64 << 20  # bytes of a run file read at a time: a large file is never in memory whole
 
 
 @dataclass
@@ -43,6 +44,25 @@ class Reader(Protocol):
 
     def poll(self, *, final: bool) -> Poll:
         """Points since the previous poll; `final`: a partial record at the end is a problem, not a wait."""
+
+
+def whole_records(path: Path, start: int, read_records, chunk: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """`(end_offset, record)` for each whole record of `path` from offset `start`, read `chunk` bytes at a
+    time (more for a larger record); `read_records(buf, base)` is the format's framing (compat modules).
+    A partial record at the end stops it; the format's CorruptRecord and OSError propagate."""
+    with path.open("rb") as fh:
+        pos = start
+        while True:
+            fh.seek(pos)
+            buf = fh.read(chunk)
+            end = pos
+            for end, record in read_records(buf, pos):
+                yield end, record
+            if len(buf) < chunk:
+                return
+            if end == pos:
+                chunk *= 2  # one record larger than the chunk
+            pos = end
 
 
 def source_id(path: Path) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rldiag.app.importers import compat_tensorboard as compat
-from rldiag.app.importers.common import Poll
+from rldiag.app.importers.common import Poll, whole_records
 
 EXPERIMENT = "tensorboard"
 EVENTS = "tfevents"  # event files are named events.out.tfevents.<time>.<host>...
@@ -69,18 +69,9 @@ class TensorBoardRun:
         return out
 
     def _read(self, f: Path, out: Poll, final: bool) -> None:
-        start = self._offsets.get(f, 0)
+        done = self._offsets.get(f, 0)
         try:
-            with f.open("rb") as fh:
-                fh.seek(start)
-                buf = fh.read()
-        except OSError as e:
-            out.problems.append(f"{f}: cannot read it ({e.strerror or e}); skipped")
-            self._broken.add(f)
-            return
-        done = start
-        try:
-            for end, record in compat.read_records(buf, start):
+            for end, record in whole_records(f, done, compat.read_records):
                 try:
                     for s in compat.parse_event(record, self._scalar_tags, self._hparams):
                         out.points.append((s.tag, s.step, s.wall_ms, s.value))
@@ -88,12 +79,17 @@ class TensorBoardRun:
                     out.problems.append(f"{f}: the record at byte {done} is not a TensorBoard event "
                                         f"({type(e).__name__}); skipped it")
                 done = end
+            size = f.stat().st_size
         except compat.CorruptRecord as e:
             out.problems.append(f"{f}: corrupt at byte {e.offset} ({e.why}); the records before it were "
                                 "imported, the rest of this file is skipped")
             self._broken.add(f)
+        except OSError as e:
+            out.problems.append(f"{f}: cannot read it ({e.strerror or e}); the records before byte {done} were "
+                                "imported, the rest of this file is skipped")
+            self._broken.add(f)
         self._offsets[f] = done
-        if final and done < start + len(buf) and f not in self._broken:
-            out.problems.append(f"{f}: ends in a partial record ({start + len(buf) - done} bytes at byte {done}): "
+        if final and f not in self._broken and done < size:
+            out.problems.append(f"{f}: ends in a partial record ({size - done} bytes at byte {done}): "
                                 "still being written, or cut short; the whole records before it were imported "
                                 "(import again, or use --follow, once its writer has flushed)")

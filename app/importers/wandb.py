@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from rldiag.app.importers import compat_wandb as compat
-from rldiag.app.importers.common import Poll
+from rldiag.app.importers.common import Poll, whole_records
 
 EXPERIMENT = "wandb"
 
@@ -56,42 +56,45 @@ class WandbRun:
         out = Poll()
         if self._broken:
             return out
-        try:
-            with self.file.open("rb") as fh:
-                if self._offset is None:
+        if self._offset is None:
+            try:
+                with self.file.open("rb") as fh:
                     head = fh.read(len(compat.FILE_HEADER))
-                    if len(head) < len(compat.FILE_HEADER) and not final:
-                        return out  # just created: its header is not written yet
-                    if not compat.is_wandb_file(head):
-                        self._broken = True
-                        out.problems.append(f"{self.file}: not a W&B run file (it does not start with W&B's "
-                                            "header ':W&B'); skipped")
-                        return out
-                    self._offset = len(head)
-                fh.seek(self._offset)
-                buf = fh.read()
-        except OSError as e:
-            self._broken = True
-            out.problems.append(f"{self.file}: cannot read it ({e.strerror or e}); skipped")
-            return out
-        start = done = self._offset
+            except OSError as e:
+                self._broken = True
+                out.problems.append(f"{self.file}: cannot read it ({e.strerror or e}); skipped")
+                return out
+            if len(head) < len(compat.FILE_HEADER) and not final:
+                return out  # just created: its header is not written yet
+            if not compat.is_wandb_file(head):
+                self._broken = True
+                out.problems.append(f"{self.file}: not a W&B run file (it does not start with W&B's header "
+                                    "':W&B'); skipped")
+                return out
+            self._offset = len(head)
+        done = self._offset
         try:
-            for end, data in compat.read_records(buf, start):
+            for end, data in whole_records(self.file, done, compat.read_records):
                 try:
                     self._record(data, out)
                 except Exception as e:  # noqa: BLE001 - a record that passed its CRC but does not parse
                     out.problems.append(f"{self.file}: the record at byte {done} is not a W&B record "
                                         f"({type(e).__name__}); skipped it")
                 done = end
+            size = self.file.stat().st_size
         except compat.CorruptRecord as e:
             self._broken = True
             out.problems.append(f"{self.file}: corrupt at byte {e.offset} ({e.why}); the records before it were "
                                 "imported, the rest of this file is skipped")
+        except OSError as e:
+            self._broken = True
+            out.problems.append(f"{self.file}: cannot read it ({e.strerror or e}); the records before byte {done} "
+                                "were imported, the rest of this file is skipped")
         self._offset = done
-        if final and not self._broken and done < start + len(buf):
-            out.problems.append(f"{self.file}: ends in a partial record ({start + len(buf) - done} bytes at byte "
-                                f"{done}): still being written, or cut short; the whole records before it were "
-                                "imported (import again, or use --follow, once wandb has written it)")
+        if final and not self._broken and done < size:
+            out.problems.append(f"{self.file}: ends in a partial record ({size - done} bytes at byte {done}): still "
+                                "being written, or cut short; the whole records before it were imported (import "
+                                "again, or use --follow, once wandb has written it)")
         out.ended = self._ended
         return out
 

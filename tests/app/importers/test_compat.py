@@ -89,3 +89,16 @@ def test_wandb_file_framing_and_records(tmp_path):
     bad[14 + length // 2] ^= 1
     with pytest.raises(cwb.CorruptRecord):
         list(cwb.read_records(bytes(bad[7:])))
+
+
+@pytest.mark.parametrize("chunk", [64, 5000, 1 << 20])
+def test_reading_in_chunks_gives_the_records_of_the_whole_file(tmp_path, chunk):
+    """A run file is read a chunk at a time (a large one is never in memory whole): records across chunk
+    boundaries, and records larger than a chunk, come out as from the whole file."""
+    from rldiag.app.importers.common import whole_records
+
+    tb = write_tensorboard(tmp_path / "tb", [(s, {"a": float(s), "b": -1.0}) for s in range(300)])
+    wb = write_wandb(tmp_path / "wb", [(s, {"k": float(s)}) for s in range(300)], config={"big": "x" * 40_000})
+    for f, read, start in ((tb, ctb.read_records, 0), (wb, cwb.read_records, 7)):
+        whole = list(read(f.read_bytes()[start:], start))
+        assert len(whole) > 300 and list(whole_records(f, start, read, chunk)) == whole
