@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 SCHEME = "rldiag-readonly"  # rldiag-readonly+sqlite:///path, rldiag-readonly+postgresql://...
+TAG_SCHEME = "rldiag-tagwrite"  # the same store, writable, never migrated (`rldiag watch --tag-runs`)
 _registered = threading.Lock()
 _schemes: set[str] = set()
 
@@ -41,6 +42,19 @@ def read_only_client(uri: str):
     return MlflowClient(ro)
 
 
+def tag_writer_client(uri: str):
+    """An `MlflowClient` over the SQL store `uri` that writes (run tags) but never migrates it or creates the
+    default experiment. A store whose schema is not this MLflow's is refused: an MlflowException whose first
+    line names both schema revisions (writing into another schema could break it)."""
+    from mlflow.tracking import MlflowClient
+
+    w = f"{TAG_SCHEME}+{uri}"
+    _register(w.split("://", 1)[0])
+    client = MlflowClient(w)
+    client._tracking_client.store  # noqa: B018 - built now: a refused schema is an error here, not at a write
+    return client
+
+
 def _register(scheme: str) -> None:
     """Make MLflow's store registry build `ReadOnlySqlStore` for `scheme` (e.g. rldiag-readonly+postgresql+psycopg2:
     the registry keys on the whole scheme, driver included)."""
@@ -54,6 +68,8 @@ def _register(scheme: str) -> None:
 
 
 def _build(store_uri: str, artifact_uri: str | None = None):
+    if store_uri.startswith(TAG_SCHEME + "+"):
+        return tag_store_class()(store_uri[len(TAG_SCHEME) + 1:], artifact_uri)
     return store_class()(store_uri[len(SCHEME) + 1:], artifact_uri)
 
 
@@ -201,6 +217,9 @@ class _explained:
             if self.note is None:
                 raise
             first = str(e.message).strip().splitlines()[0] if str(e.message).strip() else type(e).__name__
+            from rldiag.app.errors import redact
+
+            first = redact(first)
             raise self.error_type(f"{first}: {self.note}", error_code=e.error_code) from None
 
 
@@ -208,3 +227,26 @@ class _explained:
 def store_class() -> type:
     """`ReadOnlySqlStore`, built on first use: importing this module loads no mlflow."""
     return _make_store_class()
+
+
+@functools.cache
+def tag_store_class() -> type:
+    """`TagWriteSqlStore`: `ReadOnlySqlStore` with a writable engine, refusing any schema but this MLflow's."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.db.utils import _get_managed_session_maker, create_sqlalchemy_engine
+    from sqlalchemy.orm import sessionmaker
+
+    base = store_class()
+
+    class TagWriteSqlStore(base):
+        def __init__(self, db_uri: str, default_artifact_root: str | None = None):
+            super().__init__(db_uri, default_artifact_root)
+            self.engine.dispose()
+            if self.schema_note is not None:
+                raise MlflowException(f"rldiag watch --tag-runs writes tags without migrating the store, and "
+                                      f"{self.schema_note}; or leave out --tag-runs (alerts still go to the log, "
+                                      "file and webhook)")
+            self.engine = create_sqlalchemy_engine(db_uri)  # MLflow's own engine: no migration happens here
+            self.ManagedSessionMaker = _get_managed_session_maker(sessionmaker(bind=self.engine), self.db_type)
+
+    return TagWriteSqlStore

@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from rldiag.app.errors import StoreUnreachable
+from rldiag.app.errors import StoreUnreachable, redact, remember_uri
 from rldiag.collectors.uri import probe_server, redact_uri
 
 StoreKind = Literal["sqlite", "rest", "other"]
@@ -44,6 +44,9 @@ class Store:
     # writing process must never risk.
     writes_here: bool = False
 
+    def __repr__(self) -> str:  # never the password: a Store is printed in tracebacks and logs
+        return f"Store({redact_uri(self.uri)!r}, {self.kind!r})"
+
     @cached_property
     def client(self):
         """MLflow's client for reading. A SQL store (SQLite, PostgreSQL, MySQL) is opened read-only:
@@ -58,9 +61,20 @@ class Store:
 
     @cached_property
     def write_client(self):
-        """MLflow's ordinary client, for the few writes a command is asked for (`rldiag watch --tag-runs`)."""
+        """A client for the few writes a command is asked for (`rldiag watch --tag-runs`). A SQL store is
+        never migrated: one of another schema is refused with a StoreUnreachable naming both revisions."""
         from mlflow.tracking import MlflowClient
 
+        if self.kind == "sqlite" or _is_sql_uri(self.uri):
+            from mlflow.exceptions import MlflowException
+
+            from rldiag.app.data.readonly_sql import tag_writer_client
+
+            try:
+                return tag_writer_client(self.uri)
+            except MlflowException as e:
+                raise StoreUnreachable(f"cannot write tags to {redact_uri(self.uri)!r}: "
+                                       f"{str(e.message).strip().splitlines()[0]}") from None
         return MlflowClient(self.uri)
 
     def check(self, *, timeout_s: float = 5.0) -> None:
@@ -117,12 +131,13 @@ def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0,
     from rldiag.collectors.settings import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri()
+    backend = os.environ.get(BACKEND_ENV) if backend_store_uri is None else backend_store_uri
+    remember_uri(uri, backend)  # their secrets are hidden in every read-side error from now on
     _check_scheme(uri)
     if uri.startswith("sqlite:"):
         return Store(uri, "sqlite", _check_sqlite(uri, "tracking URI"))
     if uri.startswith(("http://", "https://")):
         _probe(uri, timeout_s)
-        backend = os.environ.get(BACKEND_ENV) if backend_store_uri is None else backend_store_uri
         if not backend:
             return Store(uri, "rest")
         if backend.startswith("sqlite:"):
@@ -130,8 +145,8 @@ def open_store(tracking_uri: str | None = None, *, timeout_s: float = 5.0,
         if backend.startswith("postgresql"):
             return Store(uri, "rest", postgres_dsn=_check_postgres(backend, timeout_s))
         raise StoreUnreachable(
-            f"backend store URI {backend!r}: rldiag reads a server's backend directly when it is a SQLite file "
-            f"(sqlite:///path/to/mlflow.db) or PostgreSQL (postgresql://user:password@host:5432/mlflow). Unset "
+            f"backend store URI {redact_uri(backend)!r}: rldiag reads a server's backend directly when it is a "
+            f"SQLite file (sqlite:///path/to/mlflow.db) or PostgreSQL (postgresql://user:password@host:5432/mlflow). Unset "
             f"{BACKEND_ENV} (or drop --backend-store-uri) to read everything through the server."
         )
     return _open_other(uri)
@@ -157,9 +172,7 @@ def _open_other(uri: str) -> Store:
     try:
         store.client  # noqa: B018 - opens it: a missing driver, a refused login, an unknown schema
     except Exception as e:  # noqa: BLE001 - MLflow, SQLAlchemy and driver errors come in many types
-        from rldiag.collectors.uri import redact_text
-
-        first = redact_text(str(e).strip().splitlines()[0]) if str(e).strip() else ""
+        first = redact(str(e).strip().splitlines()[0], uri) if str(e).strip() else ""
         hint = "Check the URI and its credentials."
         if isinstance(e, ModuleNotFoundError) and e.name == "psycopg":  # SQLAlchemy 2.1: bare postgresql:// is psycopg 3
             hint = "Write postgresql+psycopg2://... (with psycopg2-binary installed), or pip install 'psycopg[binary]'."
@@ -199,7 +212,7 @@ def postgres_dsn_of(uri: str) -> str:
 def _check_postgres(uri: str, timeout_s: float) -> str:
     """The libpq URI of an MLflow PostgreSQL backend, checked by opening a read-only connection."""
     dsn = postgres_dsn_of(uri)
-    shown = uri.split("@", 1)[-1]  # never echo the password
+    shown = redact_uri(uri).split("@", 1)[-1]  # never echo the password (nor a ?password= in the query)
     try:
         with closing(connect_postgres(dsn, timeout_s)) as con, con.cursor() as cur:
             cur.execute("SELECT to_regclass('metrics') IS NOT NULL AND to_regclass('runs') IS NOT NULL")
@@ -207,7 +220,7 @@ def _check_postgres(uri: str, timeout_s: float) -> str:
     except ImportError:
         raise StoreUnreachable("reading a PostgreSQL backend needs psycopg2: pip install psycopg2-binary") from None
     except Exception as e:  # noqa: BLE001 - psycopg2's errors: bad password, no such host or database
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = redact(str(e).strip().splitlines()[0], uri) if str(e).strip() else type(e).__name__
         raise StoreUnreachable(f"cannot read the backend store at ...@{shown} ({first}). Check the URI and that "
                                f"this machine may connect, or unset {BACKEND_ENV}.") from None
     if not ok:
@@ -220,10 +233,10 @@ def _check_sqlite(uri: str, what: str) -> Path:
     """The file of a `sqlite:///` URI, checked to be a readable MLflow store (nothing is created)."""
     path = sqlite_path_of(uri)
     if path is None:
-        raise StoreUnreachable(f"{what} {uri!r} is not a SQLite file URI; use sqlite:///path/to/mlruns.db. {_FIX}")
+        raise StoreUnreachable(f"{what} {redact_uri(uri)!r} is not a SQLite file URI; use sqlite:///path/to/mlruns.db. {_FIX}")
     if not path.is_file():
         raise StoreUnreachable(
-            f"no MLflow store at {str(path)!r} (from {what} {uri!r}): the file does not exist. "
+            f"no MLflow store at {str(path)!r} (from {what} {redact_uri(uri)!r}): the file does not exist. "
             f"Run `rldiag demo` to create one there, or point at your store. {_FIX}"
         )
     try:
