@@ -36,12 +36,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from tqdm.auto import tqdm
 
 from rldiag.collectors import Monitor, keys, policy_metrics
 from rldiag.collectors.integrations.vllm import process_logits, rollout_from_outputs
+from rldiag.experiments.console import library_output_to, log_file
 from rldiag.experiments.parity_engine import Engine, EngineConfig, config_params, start_engine
 from rldiag.experiments.summary import RunSummary, format_summaries
 from rldiag.experiments.tiny_hf_model import VLLM_TINY_QWEN2, build_tiny_qwen2, save_tiny_qwen2
@@ -153,8 +155,9 @@ def make_prompts(cfg: ParityConfig, seed: int) -> list[list[int]]:
 
 
 def run_one(engine: Engine, cfg: ParityConfig, name: str, seed: int, *, tracking_uri: str | None,
-            progress: bool) -> tuple[RunSummary, StepRecord | None]:
-    """One GSPO run of `cfg.steps` rollouts on `engine`, logged as one MLflow run."""
+            progress: bool, out: TextIO | None = None) -> tuple[RunSummary, StepRecord | None]:
+    """One GSPO run of `cfg.steps` rollouts on `engine`, logged as one MLflow run (its progress bar on `out`,
+    default stderr)."""
     variant = VARIANTS[name]
     model = build_tiny_qwen2(cfg.vocab, seed, initializer_range=cfg.init_std, **VLLM_TINY_QWEN2).float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr * variant.lr_scale)
@@ -180,7 +183,8 @@ def run_one(engine: Engine, cfg: ParityConfig, name: str, seed: int, *, tracking
     reward = torch.tensor(float("nan"))
     with Monitor(cfg.experiment, run_name=f"{name}-seed{seed}", tags=tags, params=params,
                  tracking_uri=tracking_uri, policy="skip") as mon:
-        bar = tqdm(range(cfg.steps), desc=f"{name} seed {seed}", unit="step", disable=not progress, leave=True)
+        bar = tqdm(range(cfg.steps), desc=f"{name} seed {seed}", unit="step", disable=not progress, leave=True,
+                   file=out or sys.stderr)
         for step in bar:
             seeds = [seed * 1_000_003 + step * 1_000 + i for i in range(len(prompts))]
             outputs = engine.generate(prompts, n=cfg.group, max_tokens=cfg.completion_len,
@@ -250,12 +254,14 @@ def first_step_table(rows: list[tuple[str, int, StepRecord | None]]) -> str:
 
 
 def run_experiment(cfg: ParityConfig, *, tracking_uri: str | None = None, progress: bool = True,
-                   model_dir: str | Path | None = None) -> list[RunSummary]:
+                   model_dir: str | Path | None = None, out: TextIO | None = None) -> list[RunSummary]:
     """Every (variant, seed) run of `cfg`, one engine at a time; returns one summary per run.
 
     `model_dir`: where the engine's start-up checkpoint and tokenizer go (a temp dir by default); each
-    run then loads its own seed's weights into the engine.
+    run then loads its own seed's weights into the engine. `out`: where rldiag's own lines and the
+    progress bars go (default stderr; `console.library_output_to` gives the terminal's).
     """
+    out = out or sys.stderr
     summaries: list[RunSummary] = []
     rows: list[tuple[str, int, StepRecord | None]] = []
     with tempfile.TemporaryDirectory(prefix="rldiag-parity-") as tmp:
@@ -270,24 +276,25 @@ def run_experiment(cfg: ParityConfig, *, tracking_uri: str | None = None, progre
                     raise
                 print(f"skipping {', '.join(sorted({n for n, _ in runs}))}: this vLLM build refused "
                       f"hf_overrides head_dtype=float32 on a {ecfg.dtype} engine ({type(e).__name__}: {e})",
-                      file=sys.stderr)
+                      file=out)
                 continue
             if progress:
-                print(f"engine {ecfg.label()} started in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+                print(f"engine {ecfg.label()} started in {time.monotonic() - t0:.0f} s", file=out)
             try:
                 if ecfg.lm_head_fp32 and engine.lm_head_dtype() != "float32":
                     print(f"skipping {', '.join(sorted({n for n, _ in runs}))}: this vLLM build "
                           f"({engine.fingerprint['engine.build']} on {engine.fingerprint['engine.platform']}) "
-                          f"runs the lm_head in {engine.lm_head_dtype()} despite head_dtype=float32", file=sys.stderr)
+                          f"runs the lm_head in {engine.lm_head_dtype()} despite head_dtype=float32", file=out)
                     continue
                 for name, seed in runs:
-                    summary, first = run_one(engine, cfg, name, seed, tracking_uri=tracking_uri, progress=progress)
+                    summary, first = run_one(engine, cfg, name, seed, tracking_uri=tracking_uri, progress=progress,
+                                             out=out)
                     summaries.append(summary)
                     rows.append((name, seed, first))
             finally:
                 engine.close()
     if progress:
-        print(first_step_table(rows))
+        print(first_step_table(rows), file=out)
     return summaries
 
 
@@ -318,7 +325,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     uri = getattr(args, "tracking_uri", None) or default_tracking_uri()
-    summaries = run_experiment(cfg, tracking_uri=uri)
+    runs = sum(len(r) for r in runs_by_engine(cfg).values())
+    print(f"engine-parity: {runs} runs x {cfg.steps} steps on {len(runs_by_engine(cfg))} vLLM engines "
+          "(each starts in about 20 s)", file=sys.stderr, flush=True)
+    with library_output_to(log_file("engine-parity")) as term:
+        summaries = run_experiment(cfg, tracking_uri=uri, out=term)
     print(format_summaries(summaries, tracking_uri=uri, experiment=cfg.experiment))
     return 0
 

@@ -31,13 +31,16 @@ the batch (0 would be a student equal to the teacher). The summary's final rewar
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict, dataclass, field, replace
+from typing import TextIO
 
 import torch
 from tqdm.auto import tqdm
 
 from rldiag.collectors import Monitor, entropy_from_logits, keys, reward_stats
 from rldiag.collectors.metrics import masked_mean
+from rldiag.experiments.console import library_output_to, log_file
 from rldiag.experiments.distill_loss import TeacherLogprobs, pad_ragged, sparse_top1_divergence
 from rldiag.experiments.summary import RunSummary, format_summaries
 from rldiag.experiments.tiny_policy import PolicyConfig, TinyPolicy, sample
@@ -144,17 +147,19 @@ def padded_teacher(rows, width: int) -> TeacherLogprobs:
 
 
 def run_one(cfg: DistillConfig, *, experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = None,
-            progress: bool = True, name_suffix: str = "") -> RunSummary:
-    """Train the student for `cfg.steps` optimizer steps under rldiag's Monitor; returns the run's summary."""
+            progress: bool = True, name_suffix: str = "", out: TextIO | None = None) -> RunSummary:
+    """Train the student for `cfg.steps` optimizer steps under rldiag's Monitor; returns the run's summary
+    (its progress bar on `out`, default stderr)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, experiment, tracking_uri, progress, cfg.run_name + name_suffix)
+        return _train(cfg, experiment, tracking_uri, progress, cfg.run_name + name_suffix, out or sys.stderr)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: DistillConfig, experiment: str, tracking_uri: str | None, progress: bool, name: str) -> RunSummary:
+def _train(cfg: DistillConfig, experiment: str, tracking_uri: str | None, progress: bool, name: str,
+           out: TextIO) -> RunSummary:
     torch.manual_seed(cfg.seed + cfg.teacher_seed_offset)
     pcfg = PolicyConfig()
     teacher = TinyPolicy(pcfg).eval()
@@ -170,7 +175,7 @@ def _train(cfg: DistillConfig, experiment: str, tracking_uri: str | None, progre
     reward = torch.full((), float("nan"))
     with Monitor(experiment, run_name=name, tags=tags, params=params, tracking_uri=tracking_uri,
                  policy=cfg.policy) as mon:
-        for step in tqdm(range(1, cfg.steps + 1), desc=name, unit="step", disable=not progress):
+        for step in tqdm(range(1, cfg.steps + 1), desc=name, unit="step", disable=not progress, file=out):
             prompts = torch.randint(0, pcfg.vocab, (n, p), generator=gen)
             lengths = completion_lengths(n, cfg, gen)
             width = int(lengths.max())
@@ -214,11 +219,12 @@ def _train(cfg: DistillConfig, experiment: str, tracking_uri: str | None, progre
 
 
 def run_experiment(cfg: ExperimentConfig, *, tracking_uri: str | None = None,
-                   progress: bool = True) -> list[RunSummary]:
-    """Every (seed, variant, batch x accumulation) run, one after another; one summary per run."""
+                   progress: bool = True, out: TextIO | None = None) -> list[RunSummary]:
+    """Every (seed, variant, batch x accumulation) run, one after another; one summary per run (progress
+    bars on `out`, default stderr)."""
     suffix = len(cfg.seeds) > 1
     return [run_one(r, experiment=cfg.experiment, tracking_uri=tracking_uri, progress=progress,
-                    name_suffix=f"-s{r.seed}" if suffix else "") for r in cfg.runs()]
+                    name_suffix=f"-s{r.seed}" if suffix else "", out=out) for r in cfg.runs()]
 
 
 # --- command line -------------------------------------------------------------------------------------
@@ -285,6 +291,8 @@ def run(args: argparse.Namespace) -> int:
                            seeds=parse_seeds(args.seeds), experiment=args.mlflow_experiment,
                            base=DistillConfig(steps=args.steps, beta=args.beta))
     uri = args.tracking_uri or default_tracking_uri()
-    summaries = run_experiment(cfg, tracking_uri=uri)
+    print(f"masked-vs-unmasked: {len(cfg.runs())} runs x {args.steps} steps", file=sys.stderr, flush=True)
+    with library_output_to(log_file("masked-vs-unmasked")) as term:
+        summaries = run_experiment(cfg, tracking_uri=uri, out=term)
     print(format_summaries(summaries, tracking_uri=uri, experiment=cfg.experiment))
     return 0 if all(s.undelivered == 0 for s in summaries) else 1

@@ -21,12 +21,33 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # not `experiment`: each experiment has an --experiment option (the MLflow experiment) of its own
-    sub = parser.add_subparsers(dest="experiment_name", metavar="NAME", required=True)
+    sub = parser.add_subparsers(dest="experiment_name", metavar="NAME", required=True, parser_class=_ExperimentParser)
     for name, (module, help_) in EXPERIMENTS.items():
-        p = sub.add_parser(name, help=help_, description=help_,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        importlib.import_module(module).add_arguments(p)
-        add_tracking_option(p)
+        sub.add_parser(name, help=help_, description=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       module=module)
+
+
+class _ExperimentParser(argparse.ArgumentParser):
+    """An experiment's options, added when that experiment is parsed or its help shown: its module imports
+    torch (and vLLM's adapter), seconds that `rldiag experiment --help` and the other experiment need not pay."""
+
+    def __init__(self, *args, module: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._module = module
+
+    def _load(self) -> None:
+        if self._module is not None:
+            module, self._module = self._module, None
+            importlib.import_module(module).add_arguments(self)
+            add_tracking_option(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._load()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._load()
+        return super().format_help()
 
 
 def run(args: argparse.Namespace) -> int:

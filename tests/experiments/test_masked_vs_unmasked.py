@@ -213,7 +213,10 @@ def test_cli_prints_one_summary_line_per_run(store):
     for name, cols in lines.items():
         assert cols[2] == ("1" if name in NANS else "none")  # first non-finite step
     assert uri in out.stdout and "'mvu-cli'" in out.stdout
-    assert "non-finite gradients in run unmasked-b1xa2" in out.stderr  # the alert, in the log
+    assert "non-finite gradients in run unmasked-b1xa2" in out.stderr  # the alert, in the terminal
+    # what the libraries print goes to a log file, named in one line
+    log = next(line.split(": ", 1)[1] for line in out.stderr.splitlines() if line.startswith("library warnings"))
+    assert (tmp / log).is_file() and "rldiag:" not in (tmp / log).read_text()
     exp = client.get_experiment_by_name("mvu-cli")
     assert {r.info.run_id for r in client.search_runs([exp.experiment_id])} == {c[0] for c in lines.values()}
 
