@@ -42,6 +42,7 @@ from rldiag.app.analysis.divergence import logged_by_order
 from rldiag.app.analysis.nan_events import bad_steps, no_token_steps, truncated_masked_steps
 from rldiag.app.analysis.step_events import LONG_STREAK, fp16_streaks, nonfinite_loss, scaler_overflows
 from rldiag.app.data.histories import Histories, load_histories
+from rldiag.app.data.runs import _quote as search_literal
 from rldiag.app.data.runs import pages
 from rldiag.app.data.store import Store, store_errors
 from rldiag.app.watch.events import (
@@ -324,9 +325,10 @@ class Watcher:
         refs: dict[str, list[str]] = {}
         ref_params: dict[str, dict[str, str]] = {}
         for g in sorted({r.data.tags[keys.TAG_GROUP] for r in cands}):
-            if "'" in g:
-                continue  # cannot be quoted in a search filter; skipped
-            found = self._search(exp_ids, f"tags.`{keys.TAG_GROUP}` = '{g}' AND tags.`{keys.TAG_ROLE}` = 'reference'")
+            role = f"tags.`{keys.TAG_ROLE}` = 'reference'"
+            lit = search_literal(g)  # quoted; a name with both quote characters: every reference, matched here
+            found = self._search(exp_ids, f"tags.`{keys.TAG_GROUP}` = {lit} AND {role}" if lit else role)
+            found = [r for r in found if r.data.tags.get(keys.TAG_GROUP) == g]
             refs[g] = [r.info.run_id for r in found]
             ref_params.update({r.info.run_id: dict(r.data.params) for r in found})
         ids = list(dict.fromkeys([i for g in refs.values() for i in g] + [r.info.run_id for r in cands]))
