@@ -3,7 +3,8 @@
     from rldiag.app import open_store, find_runs, load_histories, detect_divergence, build_report
     store = open_store("sqlite:///mlruns.db")
     runs = find_runs(store, experiments="distill")
-    h = load_histories(store, runs.run_id.tolist(), ["grad/norm", "policy/ratio_mean"])
+    h = load_histories(store, runs.run_id.tolist(), load_keys(["policy/ratio_mean"]))
+    c = compare(h, refs, cands)          # per candidate: status, departures, evidence, likely causes
     report = build_report("sqlite:///mlruns.db", group="v0_vs_v1")    # .html, .markdown, .divergence
     result, events = watch_once("sqlite:///mlruns.db")                # one watcher cycle and its events
 
@@ -22,6 +23,10 @@ _EXPORTS: dict[str, str] = {
     "open_store": "rldiag.app.data.store",
     "find_runs": "rldiag.app.data.runs",
     "Histories": "rldiag.app.data.histories",
+    "Comparison": "rldiag.app.analysis.comparison",
+    "CompareOptions": "rldiag.app.analysis.comparison",
+    "compare": "rldiag.app.analysis.comparison",
+    "load_keys": "rldiag.app.analysis.comparison",
     "load_histories": "rldiag.app.data.histories",
     "Divergence": "rldiag.app.analysis.divergence",
     "DivergenceConfig": "rldiag.app.analysis.divergence",
@@ -34,6 +39,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # what static tools see
+    from rldiag.app.analysis.comparison import CompareOptions, Comparison, compare, load_keys
     from rldiag.app.analysis.divergence import (
         Divergence,
         DivergenceConfig,
@@ -48,6 +54,8 @@ if TYPE_CHECKING:  # what static tools see
     from rldiag.app.watch.loop import watch_once
 
 __all__ = [
+    "CompareOptions",
+    "Comparison",
     "DataError",
     "Divergence",
     "DivergenceConfig",
@@ -55,9 +63,11 @@ __all__ = [
     "Report",
     "Store",
     "build_report",
+    "compare",
     "detect_divergence",
     "find_runs",
     "load_histories",
+    "load_keys",
     "nan_events",
     "open_store",
     "render_report",

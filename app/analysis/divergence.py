@@ -625,10 +625,12 @@ def summarize(divergences: dict[str, dict[str, Divergence]], histories: Historie
             zero + no_ref, no_ref, last_logged(histories, cand, keys),
             past_references={k: d.references_end_step for k, d in mine if d.steps_after_references},
             by_order=logged_by_order(histories, [cand, *reference_ids], logged),
-            empty_steps=tuple(empty_steps(histories, cand)), stops_short=stops_short(histories, cand, reference_ids, keys),
-            never_logged=tuple(k for k in keys if k not in logged and any(len(t) for t in histories.for_key(
-                k, reference_ids).values())),
-            unchecked=tuple(unchecked_steps(histories, cand)), checked_steps=len(histories.get(cand, GRAD_FOUND) or ())))
+            empty_steps=tuple(empty_steps(histories, cand)),
+            stops_short=stops_short(histories, cand, reference_ids, keys),
+            never_logged=tuple(k for k in keys if k not in logged and reference_ids and any(
+                len(t) for t in histories.for_key(k, reference_ids).values())),
+            unchecked=tuple(unchecked_steps(histories, cand)),
+            checked_steps=len(histories.get(cand, GRAD_FOUND) or ())))
     return out
 
 
@@ -637,7 +639,7 @@ def stops_short(histories: Histories, run_id: str, reference_ids: Sequence[str],
     """`{key: (its last step, the references' last step)}` for those of `keys` that `run_id` logged but
     stops logging before the references' last step: the steps after it were not compared."""
     out = {}
-    for key in keys:
+    for key in keys if reference_ids else ():  # no reference: nothing to stop short of (for_key(()) is every run)
         t = histories.get(run_id, key)
         ends = [int(r.steps[-1]) for r in histories.for_key(key, reference_ids).values() if len(r)]
         if t is not None and len(t) and ends and int(t.steps[-1]) < max(ends):

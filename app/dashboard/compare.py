@@ -10,19 +10,15 @@ import pandas as pd
 import streamlit as st
 
 from rldiag.app.analysis.causes import RunCauses
-from rldiag.app.analysis.causes_signatures import SIGNATURE_KEYS
+from rldiag.app.analysis.comparison import load_keys
 from rldiag.app.analysis.divergence import (
     NOT_COMPARED,
     NOT_ENOUGH_STEPS,
     CandidateSummary,
-    DivergenceConfig,
     detectable_text,
-    reference_note,
     size_text,
     zero_rate_text,
 )
-from rldiag.app.analysis.nan_events import with_truncation_hints
-from rldiag.app.analysis.step_events import with_overflow_hints
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
 from rldiag.app.dashboard.selection import (
@@ -138,10 +134,9 @@ def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], 
 
 
 def page_keys(metric_keys: list[str]) -> tuple[str, ...]:
-    """What the page loads: the charted metrics, the gradient metrics behind a NaN headline, and the
-    likely causes' signature metrics, in one histories entry (one read of the store, one entry in the
-    caches, not two overlapping ones)."""
-    return tuple(dict.fromkeys([*data.with_grad_keys(metric_keys), *SIGNATURE_KEYS]))
+    """What the page loads: the charted metrics and what the verdict reads (`comparison.load_keys`, as the
+    report and the watcher), in one histories entry (one read of the store, one entry in the caches)."""
+    return load_keys(metric_keys)
 
 
 def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options: ChartOptions, live: bool) -> None:
@@ -151,7 +146,10 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     with st.spinner("Loading metric histories..."):
         loaded = data.histories(sel.uri, run_ids, page_keys(metric_keys), live=live, force=force)
     h = loaded.histories
-    divs = data.divergences(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys)) if refs and cands else {}
+    # the one comparison (the report's and the watcher's too): divergences, summaries, likely causes
+    found = (data.comparison(sel.uri, loaded, tuple(refs), tuple(cands), tuple(metric_keys),
+                             data.runs_version(sel.runs, cands)) if refs and cands else None)
+    divs = found.divergences if found is not None else {}
 
     # At a glance first (one line per page, the charts right under it: above the fold at 1280x800), then
     # each candidate's lines in full; filled in below, once everything is computed.
@@ -163,22 +161,16 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         st.info("Pick candidate runs in the sidebar to compare them with the reference.")
     else:
         table = data.divergence_rows(divs, sel.labels)
-        summaries = data.summaries(loaded.stamp, h, tuple(refs), tuple(cands), tuple(metric_keys), divs)
-        if any(x.nonfinite_steps for x in summaries):  # an fp16 run's likely overflows: its params say fp16
-            cfgs = data.configs(sel.uri, tuple(x.run_id for x in summaries if x.nonfinite_steps))
-            summaries = with_overflow_hints(summaries, h, {r: c.params for r, c in cfgs.items()})
+        summaries, causes = list(found.summaries), list(found.causes)
         # TRL's every-completion-truncated steps count as "no valid tokens" where its params mask them
         trl = tuple(r for r in (*refs, *cands) if h.get(r, keys.TRL_CLIPPED_RATIO) is not None)
         trl_params = {r: c.params for r, c in data.configs(sel.uri, trl).items()} if trl else {}
-        summaries = with_truncation_hints(summaries, h, trl_params)
-        # `loaded` holds the signatures' own metrics too (page_keys), whatever the page charts
-        causes = data.causes(sel.uri, loaded, tuple(refs), tuple(cands), data.runs_version(sel.runs, cands), summaries)
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
-        if note := reference_note(len(refs), DivergenceConfig.from_env()):
-            st.caption(note)
+        if found.reference_note:
+            st.caption(found.reference_note)
         if note := reference_empty_text(h, refs, sel.labels, trl_params):
             st.warning(note, icon=":material/warning:")
-        if all(s.clean for s in summaries) and not any(rc.causes for rc in causes):  # finite, enough steps, no departure
+        if found.all_clear:  # finite and checked gradients, every metric in full on enough steps, no departure
             missed = detectable_text([d for s in summaries for d in s.within])  # what "within" could miss
             st.success(f"No candidate leaves {band} on the metrics shown{f' ({missed})' if missed else ''}.",
                        icon=":material/check:")

@@ -20,10 +20,9 @@ import pandas as pd
 import plotly.io
 import streamlit as st
 
-from rldiag.app.analysis.causes import RunCauses, likely_causes
+from rldiag.app.analysis.comparison import CompareOptions, Comparison, compare
 from rldiag.app.analysis.config_diff import RunConfig, config_diff, load_configs
-from rldiag.app.analysis.divergence import (CandidateSummary, Divergence, DivergenceConfig, compare_runs,
-                                             sigma_cell, summarize)
+from rldiag.app.analysis.divergence import Divergence, DivergenceConfig, sigma_cell
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.disk_cache import DiskCache
 from rldiag.app.data.histories import Histories, load_histories
@@ -235,42 +234,25 @@ def _persisted(kind: str, key: tuple, build):
     return value
 
 
-@st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
-def divergences(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
-                metric_keys: tuple[str, ...]) -> dict[str, dict[str, Divergence]]:
-    """`{key: {candidate: Divergence}}` against the references (several form a band); keyed on `stamp`,
-    and kept on disk for the next dashboard process."""
-    config = DivergenceConfig.from_env()
-    return _persisted("divergence", (stamp, reference_ids, candidate_ids, metric_keys, repr(config)),
-                      lambda: compare_runs(_h, reference_ids, candidate_ids, metric_keys, config))
-
-
-@st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
-def summaries(stamp: tuple, _h: Histories, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
-              metric_keys: tuple[str, ...], _divergences: Mapping[str, Mapping[str, Divergence]]
-              ) -> list[CandidateSummary]:
-    """`summarize` of `divergences(stamp, ...)` (the same arguments), kept until new rows arrive, and on disk."""
-    key = (stamp, reference_ids, candidate_ids, metric_keys, repr(DivergenceConfig.from_env()))
-    return _persisted("summaries", key, lambda: summarize(_divergences, _h, reference_ids, candidate_ids, metric_keys))
-
-
-def causes(uri: str, loaded: Loaded, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
-           version: tuple, found: list[CandidateSummary]) -> list[RunCauses]:
-    """`likely_causes` of the candidates: from `loaded` (with the signature metrics, SIGNATURE_KEYS), the
-    runs' params and tags, their alerts (`version`: `runs_version`) and the detector's `found`
-    (`summaries` of the same stamp); kept until any of those changes, and on disk."""
+def comparison(uri: str, loaded: Loaded, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
+               metric_keys: tuple[str, ...], version: tuple = ()) -> Comparison:
+    """`rldiag.app.analysis.comparison.compare` of the candidates on `metric_keys`, from `loaded` (loaded
+    with `load_keys`), the runs' params and the candidates' alerts (`version`: `runs_version`); kept until
+    new rows arrive or any of those changes, and on disk for the next dashboard process."""
     cfgs = configs(uri, reference_ids + candidate_ids)
     alerts = alert_events(uri, candidate_ids, version)
-    inputs = hashlib.sha256(repr((sorted((r, sorted(c.params.items()), sorted(c.tags.items())) for r, c in cfgs.items()),
-                                  alerts)).encode()).hexdigest()
-    key = (loaded.stamp, reference_ids, candidate_ids, inputs, repr(DivergenceConfig.from_env()))
-    return _causes(key, loaded.histories, cfgs, alerts, found)
+    params = {r: dict(c.params) for r, c in cfgs.items()}
+    inputs = hashlib.sha256(repr((sorted((r, sorted(p.items())) for r, p in params.items()), alerts)).encode())
+    inputs = inputs.hexdigest()
+    key = (loaded.stamp, reference_ids, candidate_ids, metric_keys, inputs, repr(DivergenceConfig.from_env()))
+    return _comparison(key, loaded.histories, params, alerts)
 
 
 @st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
-def _causes(key: tuple, _h: Histories, _cfgs, _alerts, _found) -> list[RunCauses]:
-    refs, cands = list(key[1]), list(key[2])
-    return _persisted("causes", key, lambda: likely_causes(_h, _cfgs, refs, cands, summaries=_found, alerts=_alerts))
+def _comparison(key: tuple, _h: Histories, _params, _alerts) -> Comparison:
+    refs, cands, metric_keys = key[1], key[2], key[3]
+    options = CompareOptions(metric_keys, DivergenceConfig.from_env())
+    return _persisted("comparison", key, lambda: compare(_h, refs, cands, options, params=_params, alerts=_alerts))
 
 
 @st.cache_data(ttl=3600, max_entries=256, show_spinner=False)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rldiag.app.analysis.comparison import load_keys
 from rldiag.app.analysis.divergence import DivergenceConfig
 from rldiag.app.data.histories import Histories
 from rldiag.app.data.store import Store, open_store, require_store
@@ -180,11 +181,9 @@ def build_report(tracking_uri: str | None = None, *, reference: str | Sequence[s
             raise ValueError(f"metric(s) {absent} were logged by none of the runs; they logged: "
                              f"{sorted(present)}")
     say(f"{len(refs)} reference(s), {len(cands)} candidate(s); loading {len(keys)} metric(s) of {len(ids)} runs ...")
-    # NaN events need the gradient flags and norms even when they are not charted; "no valid tokens" the batch
-    # size (or TRL's truncated fraction).
-    histories = _load(store, ids, [*keys, K.GRAD_FINITE, K.GRAD_NORM, K.GRAD_FOUND, K.LOSS, K.LOSS_UNFILTERED, K.BATCH_TOKENS,
-                                   K.TRL_CLIPPED_RATIO,
-                                   K.GRAD_SCALER_OVERFLOW, K.GRAD_LOSS_SCALE, *K.WORST_TOKEN_KEYS])
+    # the charted metrics and what the verdict reads (gradient flags, grad/found, the scaler, the worst token,
+    # the causes' signatures): the one list the dashboard and the watcher load too
+    histories = _load(store, ids, list(load_keys(keys)))
     n = sum(len(t) for t in histories.traces.values())
     say(f"loaded {n:,} points in {time.monotonic() - t0:.1f} s; comparing and drawing ...")
     report = render_report(histories, store, refs, cands, keys=keys, options=options)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from rldiag.app.analysis.causes import RunCauses, likely_causes
+from rldiag.app.analysis.causes import RunCauses
+from rldiag.app.analysis.comparison import CompareOptions, compare
 from rldiag.app.analysis.config_diff import RunConfig, config_diff
 from rldiag.app.analysis.divergence import (
     DERIVED_COLUMNS,
@@ -25,16 +26,12 @@ from rldiag.app.analysis.divergence import (
     CandidateSummary,
     Divergence,
     DivergenceConfig,
-    compare_runs,
     detectable_text,
     divergence_frame,
-    reference_note,
     size_text,
-    summarize,
     zero_rate_text,
 )
-from rldiag.app.analysis.nan_events import nan_events, no_token_steps, unchecked_steps, with_truncation_hints
-from rldiag.app.analysis.step_events import with_overflow_hints
+from rldiag.app.analysis.nan_events import nan_events, no_token_steps, unchecked_steps
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.histories import Histories, nonfinite_table
 from rldiag.app.data.steps import format_ranges
@@ -81,6 +78,7 @@ class ReportContent:
     alerts: dict[str, list[dict]] = field(default_factory=dict)  # run -> its alert events (where a NaN entered)
     params: dict[str, dict[str, str]] = field(default_factory=dict)  # run -> its params (fp16 overflow hint)
     reference_note: str = ""  # what a single reference cannot tell (divergence.reference_note)
+    detector: str = "defaults"  # the detector options it ran with: "defaults", or each override ("k=6")
 
     @property
     def labels(self) -> dict[str, str]:
@@ -139,23 +137,22 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
                           tags[r.info.run_id].get(K.TAG_VARIANT), tags[r.info.run_id].get(K.TAG_SEED),
                           tags[r.info.run_id].get(K.TAG_GROUP), r.info.status) for r in runs)
 
-    divergences = compare_runs(histories, refs, cands, keys, divergence_config)
+    configs = {r.info.run_id: RunConfig(dict(r.data.params), tags[r.info.run_id]) for r in runs}
+    params = {r: c.params for r, c in configs.items()}
+    alerts = load_alert_events(store, ids, tags=tags)
+    found = compare(histories, refs, cands, CompareOptions(keys, divergence_config), params=params, alerts=alerts)
+    divergences = found.divergences
     divergence = divergence_frame(divergences)
 
     figures = {key: metric_figure(key, histories.for_key(key, ids), labels=labels, reference_ids=refs,
                                   colors=colors, divergences=divergences.get(key, {}), options=options) for key in keys}
 
-    alerts = load_alert_events(store, ids, tags=tags)
     events = nan_events(histories, store, ids, alerts=alerts)
     nonfinite = nonfinite_table(histories, ids)
     nonfinite = nonfinite[nonfinite["key"].isin(keys)].reset_index(drop=True)
-    configs = {r.info.run_id: RunConfig(dict(r.data.params), tags[r.info.run_id]) for r in runs}
-    params = {r: c.params for r, c in configs.items()}
-    summaries = tuple(with_truncation_hints(with_overflow_hints(
-        summarize(divergences, histories, refs, cands, keys, divergence_config), histories, params), histories, params))
+    summaries, causes = found.summaries, found.causes
     diff = config_diff(configs, labels=labels)
     diff = diff[~diff["name"].isin(ALERT_TAGS)].reset_index(drop=True)  # alert state: the NaN section says it
-    causes = tuple(likely_causes(histories, configs, refs, cands, summaries=summaries, alerts=alerts))
 
     groups = sorted({i.group for i in infos if i.group})
     title = (f"group {', '.join(groups)}: " if groups else "") + f"{len(cands)} candidate(s) vs {len(refs)} reference(s)"
@@ -163,9 +160,9 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
                          tuple(keys), divergence, events, nonfinite, diff, figures, summaries, causes,
                          {r: s for r in ids if (s := unchecked_steps(histories, r))}, histories=histories,
                          alerts=alerts, params=params,
-                         reference_note=" ".join(t for t in [reference_note(len(refs), divergence_config),
+                         reference_note=" ".join(t for t in [found.reference_note,
                                                              reference_empty_text(histories, refs, labels, params)]
-                                                 if t))
+                                                 if t), detector=found.options_text)
 
 
 def _color_order(store: Store, runs: list) -> list[str]:
@@ -365,7 +362,8 @@ def unchecked_text_of(s: CandidateSummary) -> str:
         return ""
     if len(s.unchecked) >= s.checked_steps:
         return f"gradients never checked ({K.GRAD_FOUND} 0 at every step)"
-    return (f"gradients not checked at {_plural(len(s.unchecked), 'step')} ({format_ranges(list(s.unchecked), limit=8)}; "
+    where = format_ranges(list(s.unchecked), limit=8)
+    return (f"gradients not checked at {_plural(len(s.unchecked), 'step')} ({where}; "
             f"{K.GRAD_FOUND} 0)")
 
 

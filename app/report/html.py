@@ -230,7 +230,8 @@ def render_html(c: ReportContent) -> str:
 <script>{plotly_js()}</script>
 </head><body>
 <header><h1>rldiag report: {e(c.title)}</h1>
-<p class="meta">Store {e(c.store_uri)} &middot; generated {e(c.generated_utc)} &middot; {len(c.keys)} metrics</p>
+<p class="meta">Store {e(c.store_uri)} &middot; generated {e(c.generated_utc)} &middot; {len(c.keys)} metrics
+&middot; detector options: {e(c.detector)}</p>
 <nav><a href="#verdict">Verdict</a><a href="#charts">Charts</a><a href="#divergence">Divergence</a>
 <a href="#runs">Runs</a><a href="#nan">Non-finite gradients</a><a href="#nonfinite">Non-finite values</a>
 <a href="#config">Config diff</a></nav>

@@ -63,7 +63,8 @@ def render_markdown(c: ReportContent) -> str:
     out = [f"## rldiag report: {md(c.title)}", ""]
     for role, ids in (("References", c.reference_ids), ("Candidates", c.candidate_ids)):
         out.append(f"**{role}:** " + ", ".join(f"{md(labels[r])} ({md(r[:8])})" for r in ids) + "  ")
-    out += [f"Metrics: {', '.join(md(k) for k in c.keys) or 'none'}. Store: {md(c.store_uri)}; {md(c.generated_utc)}.",
+    out += [f"Metrics: {', '.join(md(k) for k in c.keys) or 'none'}. Store: {md(c.store_uri)}; {md(c.generated_utc)}. "
+            f"Detector options: {md(c.detector)}.",
             ""]
 
     out += ["### Divergence from the references", ""]

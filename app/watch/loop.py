@@ -214,7 +214,7 @@ class Watcher:
         if not todo:
             return sent
         disp = self._dispatcher(run_id, rs)
-        cause = _cause(self._h, run, {})
+        cause = _cause(self._h, run)
         at = logged_by_order(self._h, [run_id], [keys.GRAD_NORM, keys.GRAD_FINITE]).values()
         for b in todo:
             disp.emit(WatchAlert(NonFiniteGradAlert(run_id, b.step, b.grad_norm, [], run_name=name), b.values,
@@ -316,7 +316,8 @@ class Watcher:
         self.store.write_client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])  # --tag-runs only
 
     def _check_divergence(self, runs: list) -> int:
-        from rldiag.app.analysis.divergence import compare_runs, divergence_frame
+        from rldiag.app.analysis.comparison import CompareOptions, compare, load_keys
+        from rldiag.app.analysis.divergence import divergence_frame
 
         cands = [r for r in runs if r.data.tags.get(keys.TAG_ROLE) == "candidate" and r.data.tags.get(keys.TAG_GROUP)]
         if not cands:
@@ -333,20 +334,21 @@ class Watcher:
             ref_params.update({r.info.run_id: dict(r.data.params) for r in found})
         ids = list(dict.fromkeys([i for g in refs.values() for i in g] + [r.info.run_id for r in cands]))
         metrics = [k for k in keys.CANONICAL_METRICS if k not in (keys.GRAD_FINITE, keys.GRAD_NONFINITE_PARAMS)]
-        self._div_h = load_histories(self.store, ids, metrics, previous=self._div_h)
+        self._div_h = load_histories(self.store, ids, list(load_keys(metrics)), previous=self._div_h)
         sent = 0
         for r in cands:
             g, run_id, name = r.data.tags[keys.TAG_GROUP], r.info.run_id, r.info.run_name or ""
             if not refs.get(g):
                 continue
-            table = divergence_frame(compare_runs(self._div_h, refs[g], [run_id], config=self.detector))
-            rs, cause = None, None
+            # the one comparison (the report's and the dashboard's): departures and likely causes
+            found = compare(self._div_h, refs[g], [run_id], CompareOptions(metrics, self.detector),
+                            params={run_id: dict(r.data.params), **{i: ref_params.get(i, {}) for i in refs[g]}})
+            table = divergence_frame(found.divergences)
+            rs, cause = None, _cause_line(found)
             for row in table[table["onset_step"].notna()].to_dict("records"):
                 rs = rs or self.state.run(run_id, name)
                 if row["key"] in rs.diverged:
                     continue
-                if cause is None:
-                    cause = _cause(self._div_h, r, {i: ref_params.get(i, {}) for i in refs[g]})
                 event = divergence_event(run_id, name, g, refs[g], row, cause)
                 for sink in self.sinks:  # once per (run, metric): no rate limit needed
                     try:
@@ -367,18 +369,25 @@ class Watcher:
                 log.warning("rldiag watch: closing %r failed: %s", s, e)
 
 
-def _cause(h: Histories, run, ref_params: dict[str, dict[str, str]]) -> str:
-    """The run's first likely cause against `ref_params`' runs, in one line ('' when none fits); a failure
-    here is logged, never stops an alert."""
-    from rldiag.app.analysis.causes import likely_causes
+def _cause(h: Histories, run) -> str:
+    """The run's first likely cause from its own metrics and params (no reference), in one line ('' when
+    none fits); a failure here is logged, never stops an alert."""
+    from rldiag.app.analysis.comparison import CompareOptions, compare
 
     try:
-        (found,) = likely_causes(h, {run.info.run_id: dict(run.data.params), **ref_params}, list(ref_params),
-                                 [run.info.run_id])
+        rid = run.info.run_id
+        found = compare(h, [], [rid], CompareOptions(keys=()), params={rid: dict(run.data.params)})
     except Exception as e:  # noqa: BLE001 - the alert goes out without its cause
         log.warning("rldiag watch: likely causes of run %s failed: %s: %s", run.info.run_id, type(e).__name__, e)
         return ""
-    return found.line() if found.causes else ""
+    return _cause_line(found)
+
+
+def _cause_line(found) -> str:
+    """The first candidate's likely cause in one line (`RunCauses.line`), with any check that failed; ''
+    when none fits."""
+    (c,) = found.causes
+    return c.line() if c.causes or c.failed else ""
 
 
 class _Collect:

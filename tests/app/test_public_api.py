@@ -17,6 +17,8 @@ from tests.app.conftest import write_run
 REPO = Path(__file__).resolve().parents[2]
 
 EXPECTED_ALL = [
+    "CompareOptions",
+    "Comparison",
     "DataError",
     "Divergence",
     "DivergenceConfig",
@@ -24,9 +26,11 @@ EXPECTED_ALL = [
     "Report",
     "Store",
     "build_report",
+    "compare",
     "detect_divergence",
     "find_runs",
     "load_histories",
+    "load_keys",
     "nan_events",
     "open_store",
     "render_report",

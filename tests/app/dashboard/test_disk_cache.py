@@ -21,19 +21,19 @@ from tests.app.conftest import write_run
 REPO = Path(__file__).resolve().parents[3]
 KEYS = ["policy/ratio_mean", "loss"]
 
-# One dashboard process: the Compare page's loaders (histories, then divergences) for `ids`; prints
+# One dashboard process: the Compare page's loaders (histories, then the comparison) for `ids`; prints
 # what a test checks as JSON. FORBID_COMPUTE=1 makes the detector raise: a result from disk never calls it.
 PROCESS = textwrap.dedent("""
     import json, os, sys
     from rldiag.app.dashboard import data
     if os.environ.get("FORBID_COMPUTE") == "1":
         def _no(*a, **k):
-            raise AssertionError("compare_runs was called: the divergence was not read from the disk cache")
-        data.compare_runs = _no
+            raise AssertionError("compare was called: the comparison was not read from the disk cache")
+        data.compare = _no
     uri, refs, cands, keys = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), sys.argv[4].split(",")
     loaded = data.histories(uri, refs + cands, keys)
     h = loaded.histories
-    divs = data.divergences(loaded.stamp, h, tuple(refs), tuple(cands), tuple(keys))
+    divs = data.comparison(uri, loaded, tuple(refs), tuple(cands), tuple(keys)).divergences
     disk = data.disk_cache()
     if disk is not None:
         assert disk.flush(60), "cache writes did not finish"

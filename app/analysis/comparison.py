@@ -1,0 +1,157 @@
+"""One comparison of candidate runs against reference runs: the report, the dashboard (its Build report
+included) and the watcher call `compare` and only render what it found.
+
+    keys = load_keys(["policy/ratio_mean"])      # what to load: the charted metrics and what the verdict reads
+    c = compare(histories, refs, cands, CompareOptions(keys=shown), params=params, alerts=alerts)
+    c.verdicts[0].status, .summary.departures, .causes.line()    # per candidate, in candidate order
+    c.all_clear                                  # every candidate compared in full and clean: nothing found
+
+Per candidate (`Verdict`): its status, every departure, its non-finite gradient steps (the NaN-first
+headline), the metrics with too few steps, those that stop before the references' last step, never
+logged or with unchecked gradients (`CandidateSummary`), the fp16-overflow and TRL-truncation hints, and
+its likely causes with their notes (`RunCauses`). A cause check that raises is said there, never raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from rldiag.app.analysis.causes import SIGNATURE_KEYS, RunCauses, likely_causes
+from rldiag.app.analysis.divergence import (
+    CandidateSummary,
+    Divergence,
+    DivergenceConfig,
+    compare_runs,
+    reference_note,
+    summarize,
+)
+from rldiag.app.data.histories import Histories
+from rldiag.collectors import keys as K
+
+# What a verdict reads besides the charted metrics: gradient flags and norms (the NaN-first headline),
+# grad/found (unchecked gradients), the loss (real or a trainer's filtered one), the tokens of a batch
+# and TRL's truncation (steps that measured nothing), the fp16 scaler (overflows, not NaN), the worst
+# token (the mismatch's position), and the likely causes' signatures.
+VERDICT_KEYS: tuple[str, ...] = (K.GRAD_FINITE, K.GRAD_NORM, K.GRAD_FOUND, K.LOSS, K.LOSS_UNFILTERED, K.BATCH_TOKENS,
+                                 K.TRL_CLIPPED_RATIO, K.GRAD_SCALER_OVERFLOW, K.GRAD_LOSS_SCALE, *K.WORST_TOKEN_KEYS,
+                                 *SIGNATURE_KEYS)
+
+
+def load_keys(metric_keys: Sequence[str]) -> tuple[str, ...]:
+    """The one list of what to load for a comparison: `metric_keys` (charted and compared), then
+    VERDICT_KEYS (read, not charted). The report, the dashboard and the watcher load these."""
+    return tuple(dict.fromkeys([*(K.canonical_key(k) for k in metric_keys), *VERDICT_KEYS]))
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """`keys`: the metrics compared (None: every canonical metric any of the runs logged); `detector`:
+    the divergence detector's options (None: `DivergenceConfig.from_env`, i.e. `--detector` or defaults)."""
+
+    keys: Sequence[str] | None = None
+    detector: DivergenceConfig | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the comparison says about one candidate: its `summary` (status, departures, evidence) and
+    its likely `causes`."""
+
+    summary: CandidateSummary
+    causes: RunCauses
+
+    @property
+    def run_id(self) -> str:
+        return self.summary.run_id
+
+    @property
+    def status(self) -> str:
+        """nonfinite, diverged, within, not_enough_steps or not_compared (`CandidateSummary.status`)."""
+        return self.summary.status
+
+    @property
+    def departures(self) -> tuple[Divergence, ...]:
+        return self.summary.departures
+
+    @property
+    def clean(self) -> bool:
+        """Within the band on every metric, in full, gradients finite and checked, and no likely cause."""
+        return self.summary.clean and not self.causes.causes and not self.causes.failed
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The result of `compare`: the metrics compared, the detector's options, every (metric, candidate)
+    `Divergence`, and one `Verdict` per candidate in candidate order."""
+
+    reference_ids: tuple[str, ...]
+    candidate_ids: tuple[str, ...]
+    keys: tuple[str, ...]
+    detector: DivergenceConfig
+    divergences: dict[str, dict[str, Divergence]]
+    verdicts: tuple[Verdict, ...]
+    reference_note: str = ""  # what a single reference cannot tell
+    options_text: str = field(default="defaults")  # the detector options it ran with: "defaults" or each override
+
+    @property
+    def summaries(self) -> tuple[CandidateSummary, ...]:
+        return tuple(v.summary for v in self.verdicts)
+
+    @property
+    def causes(self) -> tuple[RunCauses, ...]:
+        return tuple(v.causes for v in self.verdicts)
+
+    @property
+    def all_clear(self) -> bool:
+        """Every candidate `clean`: the only case a product may say that no candidate leaves the references."""
+        return bool(self.verdicts) and all(v.clean for v in self.verdicts)
+
+
+def compare(histories: Histories, reference_ids: Sequence[str], candidate_ids: Sequence[str],
+            options: CompareOptions | None = None, *, params: Mapping[str, Mapping[str, str]] | None = None,
+            alerts: Mapping[str, list[dict]] | None = None) -> Comparison:
+    """Compare `candidate_ids` with `reference_ids` (several references form a noise band; none: only
+    the candidates' own signatures, e.g. a NaN's likely cause) on what `histories` holds (load
+    `load_keys(shown)`). `params`: run -> its params (the causes, the fp16 and TRL hints); `alerts`: run
+    -> its alert events (`rldiag.app.data.alerts.load_alert_events`: where a NaN entered)."""
+    from rldiag.app.analysis.nan_events import with_truncation_hints
+    from rldiag.app.analysis.step_events import with_overflow_hints
+
+    options = options or CompareOptions()
+    config = options.detector if options.detector is not None else DivergenceConfig.from_env()
+    refs, cands = tuple(dict.fromkeys(reference_ids)), tuple(dict.fromkeys(candidate_ids))
+    ids = [*refs, *cands]
+    if options.keys is not None:
+        keys = tuple(dict.fromkeys(K.canonical_key(k) for k in options.keys))
+    else:
+        have = {k for r, k in histories.traces if r in set(ids)}
+        keys = tuple(k for k in K.CANONICAL_METRICS if k in have)
+    params = {r: dict(p) for r, p in (params or {}).items()}
+    divergences = compare_runs(histories, refs, cands, keys, config) if refs else {}
+    summaries = with_truncation_hints(with_overflow_hints(
+        summarize(divergences, histories, refs, cands, keys, config), histories, params), histories, params)
+    causes = likely_causes(histories, params, refs, cands, summaries=summaries, alerts=alerts)
+    return Comparison(refs, cands, keys, config, divergences,
+                      tuple(Verdict(s, c) for s, c in zip(summaries, causes)),
+                      reference_note(len(refs), config) if refs else "", options_text(config))
+
+
+def options_text(config: DivergenceConfig) -> str:
+    """ "defaults", or each option that differs from the default ("k=6, windows=5,9,17")."""
+    from dataclasses import fields
+
+    base = DivergenceConfig()
+    changed = [f"{f.name}={_opt(getattr(config, f.name))}" for f in fields(config)
+               if getattr(config, f.name) != getattr(base, f.name)]
+    return ", ".join(changed) or "defaults"
+
+
+def _opt(v: object) -> str:
+    """As `--detector` takes it: "5,9,17", "11:33,21:65"."""
+    if isinstance(v, (tuple, list)):
+        return ",".join(":".join(map(str, x)) if isinstance(x, (tuple, list)) else str(x) for x in v)
+    return str(v)
+
+
+__all__ = ["VERDICT_KEYS", "CompareOptions", "Comparison", "Verdict", "compare", "load_keys", "options_text"]

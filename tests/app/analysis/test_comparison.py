@@ -1,0 +1,104 @@
+"""`rldiag.app.compare`: one comparison for every product, on real runs in a SQLite store: per candidate
+its status, departures, evidence and likely causes; the all-clear only for complete, clean candidates;
+the detector options it ran with; what to load from one function, and the report and the dashboard's
+Build report (loaded as the page loads) saying the same."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from rldiag.app import CompareOptions, DivergenceConfig, compare, load_keys
+from rldiag.app.analysis.config_diff import load_configs
+from rldiag.app.data.histories import load_histories
+from rldiag.app.data.store import open_store
+from rldiag.app.report.build import build_report, render_report
+from rldiag.collectors import keys as K
+from tests.app.conftest import write_run
+
+N = 120
+SHOWN = [K.RATIO_MEAN, K.LOSS, K.GRAD_NORM]
+
+
+def _run(uri: str, name: str, seed: int, *, shift: float = 0.0, nan_from: int | None = None,
+         unchecked: tuple[int, ...] = (), params: dict | None = None) -> str:
+    rng = np.random.default_rng(seed)
+    steps = []
+    for s in range(N):
+        bad = nan_from is not None and s >= nan_from
+        steps.append((s, {K.RATIO_MEAN: 1.0 + 0.01 * rng.standard_normal() + (shift if s >= 60 else 0.0),
+                          K.LOSS: 0.5 + 0.02 * rng.standard_normal(),
+                          K.GRAD_NORM: math.nan if bad else 1.0 + 0.05 * rng.standard_normal(),
+                          K.GRAD_FINITE: 0.0 if bad else 1.0, K.GRAD_FOUND: 0.0 if s in unchecked else 1.0}))
+    return write_run(uri, experiment="cmp", name=name, steps=steps, params=params or {"batch_size": "4"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, template_db):
+    import shutil
+
+    path = tmp_path_factory.mktemp("cmp") / "m.db"
+    shutil.copyfile(template_db, path)
+    uri = f"sqlite:///{path}"
+    ids = {"ref0": _run(uri, "ref0", 0), "ref1": _run(uri, "ref1", 1), "seed": _run(uri, "seed", 2),
+           "shifted": _run(uri, "shifted", 3, shift=0.1), "nan": _run(uri, "nan", 4, nan_from=0),
+           "unchecked": _run(uri, "unchecked", 5, unchecked=tuple(range(10, 20)))}
+    store = open_store(uri)
+    h = load_histories(store, list(ids.values()), list(load_keys(SHOWN)))
+    params = {r: c.params for r, c in load_configs(store, list(ids.values())).items()}
+    return uri, ids, h, params
+
+
+def test_one_verdict_per_candidate(runs):
+    _, ids, h, params = runs
+    refs, cands = [ids["ref0"], ids["ref1"]], [ids[n] for n in ("seed", "shifted", "nan", "unchecked")]
+    c = compare(h, refs, cands, CompareOptions(SHOWN), params=params)
+    assert c.keys == tuple(SHOWN) and c.candidate_ids == tuple(cands) and c.options_text == "defaults"
+    seed, shifted, nan, unchecked = c.verdicts
+    assert seed.status == "within" and seed.clean
+    assert shifted.status == "diverged" and [d.key for d in shifted.departures] == [K.RATIO_MEAN]
+    assert abs(shifted.departures[0].onset_step - 60) <= 5 and not shifted.clean
+    assert nan.status == "nonfinite" and nan.summary.nonfinite_steps[:2] == (0, 1)
+    assert nan.causes.first.id == "padding_inf" and "batch_size=4 = 4 samples per step" in nan.causes.line()
+    assert unchecked.summary.unchecked == tuple(range(10, 20)) and not unchecked.clean
+    assert not c.all_clear and compare(h, refs, [ids["seed"]], CompareOptions(SHOWN), params=params).all_clear
+    assert set(c.divergences) == set(SHOWN) and c.summaries[1] is shifted.summary
+
+
+def test_the_detector_options_are_said():
+    assert compare.__module__ == "rldiag.app.analysis.comparison"
+    from rldiag.app.analysis.comparison import options_text
+
+    assert options_text(DivergenceConfig()) == "defaults"
+    assert options_text(DivergenceConfig(k=6.0, windows=(5, 9, 17))) == "k=6.0, windows=5,9,17"
+    assert options_text(DivergenceConfig.from_options(["change_windows=5:9"])) == "change_windows=5:9"
+
+
+def test_load_keys_is_the_one_list():
+    got = load_keys(["grad_norm", K.RATIO_MEAN])  # an alias is read as its canonical key
+    assert got[:2] == (K.GRAD_NORM, K.RATIO_MEAN) and len(got) == len(set(got))
+    assert {K.GRAD_FOUND, K.GRAD_SCALER_OVERFLOW, K.GRAD_LOSS_SCALE, *K.WORST_TOKEN_KEYS, K.MISMATCH_LOGPROB_MEAN,
+            K.BATCH_TOKENS, K.TRL_CLIPPED_RATIO} <= set(got)
+
+
+def _body(markdown: str) -> str:
+    return re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", "<time>", markdown)
+
+
+def test_the_report_and_the_dashboards_build_report_say_the_same(runs):
+    # the dashboard's Build report renders from the page's histories (page_keys); the CLI loads its own.
+    # One list of keys: the same report, unchecked-gradient notes included (the page once missed grad/found)
+    from rldiag.app.dashboard.compare import page_keys
+
+    uri, ids, _, _ = runs
+    refs, cands = [ids["ref0"], ids["ref1"]], [ids["unchecked"], ids["nan"]]
+    cli = build_report(uri, reference=refs, candidates=cands, keys=SHOWN)
+    store = open_store(uri)
+    page = load_histories(store, refs + cands, list(page_keys(SHOWN)))
+    dash = render_report(page, store, refs, cands, keys=SHOWN)
+    assert "gradients not checked at 10 steps (10-19; grad/found 0)" in cli.markdown
+    assert _body(dash.markdown) == _body(cli.markdown)
+    assert "Detector options: defaults." in cli.markdown and "detector options: defaults" in cli.html
