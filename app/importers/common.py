@@ -22,7 +22,7 @@ log = logging.getLogger("rldiag.import")
 TAG_SOURCE = "rldiag.import.source"  # the absolute path of the imported run (folder or file)
 TAG_SOURCE_ID = "rldiag.import.id"  # a hash of that path: what a later import searches for
 TAG_TRACKER = "rldiag.import.tracker"  # "tensorboard" or "wandb"
-FLUSH_EVERY = 50_000  # points enqueued between two waits for the store (bounded memory, honest progress)
+POLL_POINTS = 50_000  # points read, sent and waited for at a time: memory stays bounded on a run of any size
 CHUNK_BYTES = 64 << 20  # bytes of a run file read at a time: a large file is never in memory whole
 
 
@@ -34,6 +34,7 @@ class Poll:
     params: dict[str, object] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # one line each, naming the file
     ended: str | None = None  # "FINISHED" or "FAILED" once the tracker recorded the run's end
+    more: bool = False  # stopped at `limit` points: poll again for the rest
 
 
 class Reader(Protocol):
@@ -42,8 +43,9 @@ class Reader(Protocol):
     name: str  # the run's name in MLflow
     experiment: str  # the experiment a new run goes to unless --experiment says otherwise
 
-    def poll(self, *, final: bool) -> Poll:
-        """Points since the previous poll; `final`: a partial record at the end is a problem, not a wait."""
+    def poll(self, *, final: bool, limit: int) -> Poll:
+        """Points since the previous poll, about `limit` at most (whole records; `more` says the rest waits);
+        `final`: a partial record at the end is a problem, not a wait."""
 
 
 def whole_records(path: Path, start: int, read_records, chunk: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
@@ -97,23 +99,29 @@ class RunImport:
     def __init__(self, reader: Reader, tracking_uri: str, *, tags: Mapping[str, str], experiment: str | None = None):
         self.reader, self.uri, self.tags, self.experiment = reader, tracking_uri, dict(tags), experiment
         self.client = self.run_id = self.writer = None
-        self.cursor: dict[str, int] = {}  # MLflow key -> its last imported step
+        # MLflow key -> its last step in the store when this import began: points up to it were imported
+        # before (within this import the readers' file offsets keep anything from being read twice)
+        self.cursor: dict[str, int] = {}
         self.params: dict[str, str] = {}
         self.outcome: Outcome | None = None
 
     def poll(self, *, final: bool) -> Outcome:
-        p = self.reader.poll(final=final)
-        if self.run_id is None:
-            if not p.points and not p.params and p.ended is None:
-                return Outcome("", False, problems=p.problems)  # nothing readable yet: no run for it
-            self._open()
-        out = self.outcome
-        out.problems += p.problems
-        out.params += self._log_params(p.params)
-        self._send(p.points, out)
-        if p.ended is not None:
-            out.ended = p.ended
-        return out
+        """Import everything the reader has now, `POLL_POINTS` at a time."""
+        while True:
+            p = self.reader.poll(final=final, limit=POLL_POINTS)
+            if self.run_id is None:
+                if not p.points and not p.params and p.ended is None:
+                    return Outcome("", False, problems=p.problems)  # nothing readable yet: no run for it
+                self._open()
+            out = self.outcome
+            out.problems += p.problems
+            out.params += self._log_params(p.params)
+            self._send(p.points, out)
+            if p.ended is not None:
+                out.ended = p.ended
+            if not p.more:
+                return out
+            self.writer.flush(timeout=600)  # back-pressure: the next part is read once this one is stored
 
     def _open(self) -> None:
         from rldiag.collectors.mlflow_store import client_for, make_sender, open_run
@@ -158,7 +166,6 @@ class RunImport:
         group: dict[str, float] = {}
         at: tuple[int, int] | None = None
         sent = 0
-        seen: dict[str, int] = {}
         for key, step, ts, value in points:
             k = names.get(key)
             if k is None:
@@ -171,14 +178,10 @@ class RunImport:
                     self.writer.log_metrics(group, at[0], timestamp_ms=at[1])
                 group, at = {}, (step, ts)
             group[key] = value
-            seen[k] = max(seen.get(k, step), step)
             out.keys.add(k)
             sent += 1
-            if sent % FLUSH_EVERY == 0:
-                self.writer.flush(timeout=600)
         if group:
             self.writer.log_metrics(group, at[0], timestamp_ms=at[1])
-        self.cursor.update(seen)
         out.points += sent
 
     def flush(self, timeout: float = 600) -> bool:

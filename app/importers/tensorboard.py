@@ -59,16 +59,18 @@ class TensorBoardRun:
         self._scalar_tags: set[str] = set()
         self._hparams: dict[str, object] = {}
 
-    def poll(self, *, final: bool) -> Poll:
+    def poll(self, *, final: bool, limit: int = 1 << 62) -> Poll:
         out = Poll()
         for f in sorted(p for p in self.source.iterdir() if _is_event_file(p)):
             if f not in self._broken:
-                self._read(f, out, final)
+                self._read(f, out, final, limit)
+            if out.more:
+                break
         if self._hparams:
             out.params, self._hparams = self._hparams, {}
         return out
 
-    def _read(self, f: Path, out: Poll, final: bool) -> None:
+    def _read(self, f: Path, out: Poll, final: bool, limit: int) -> None:
         done = self._offsets.get(f, 0)
         try:
             for end, record in whole_records(f, done, compat.read_records):
@@ -79,6 +81,9 @@ class TensorBoardRun:
                     out.problems.append(f"{f}: the record at byte {done} is not a TensorBoard event "
                                         f"({type(e).__name__}); skipped it")
                 done = end
+                if len(out.points) >= limit:
+                    out.more = True
+                    break
             size = f.stat().st_size
         except compat.CorruptRecord as e:
             out.problems.append(f"{f}: corrupt at byte {e.offset} ({e.why}); the records before it were "
@@ -89,7 +94,7 @@ class TensorBoardRun:
                                 "imported, the rest of this file is skipped")
             self._broken.add(f)
         self._offsets[f] = done
-        if final and f not in self._broken and done < size:
+        if final and not out.more and f not in self._broken and done < size:
             out.problems.append(f"{f}: ends in a partial record ({size - done} bytes at byte {done}): "
                                 "still being written, or cut short; the whole records before it were imported "
                                 "(import again, or use --follow, once its writer has flushed)")

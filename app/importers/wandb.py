@@ -52,7 +52,7 @@ class WandbRun:
         self._broken = False
         self._ended: str | None = None
 
-    def poll(self, *, final: bool) -> Poll:
+    def poll(self, *, final: bool, limit: int = 1 << 62) -> Poll:
         out = Poll()
         if self._broken:
             return out
@@ -81,6 +81,9 @@ class WandbRun:
                     out.problems.append(f"{self.file}: the record at byte {done} is not a W&B record "
                                         f"({type(e).__name__}); skipped it")
                 done = end
+                if len(out.points) >= limit:
+                    out.more = True
+                    break
             size = self.file.stat().st_size
         except compat.CorruptRecord as e:
             self._broken = True
@@ -91,7 +94,7 @@ class WandbRun:
             out.problems.append(f"{self.file}: cannot read it ({e.strerror or e}); the records before byte {done} "
                                 "were imported, the rest of this file is skipped")
         self._offset = done
-        if final and not self._broken and done < size:
+        if final and not out.more and not self._broken and done < size:
             out.problems.append(f"{self.file}: ends in a partial record ({size - done} bytes at byte {done}): still "
                                 "being written, or cut short; the whole records before it were imported (import "
                                 "again, or use --follow, once wandb has written it)")

@@ -173,3 +173,20 @@ def test_follow_picks_up_a_run_folder_that_appears_under_the_logdir(store_uri, t
     runs = {r.info.run_name: r for r in imported_runs(store_uri)}
     assert sorted(runs) == ["a", "b"] and runs["b"].data.tags["rldiag.group"] == "g"
     assert [s for s in said if s.startswith("b: +")] == [f"b: +2 points (run {runs['b'].info.run_id})"]
+
+
+def test_a_run_is_read_and_sent_a_bounded_number_of_points_at_a_time(store_uri, tmp_path, monkeypatch, capsys):
+    """With 7 points a part, 2 event files of 60 points each are imported whole, in order, with no false
+    'partial record' and nothing twice."""
+    from rldiag.app.importers import common
+
+    monkeypatch.setattr(common, "POLL_POINTS", 7)
+    logdir = tmp_path / "tb"
+    write_tensorboard(logdir, [(s, {"loss": float(s), "kl": -s}) for s in range(30)])
+    write_tensorboard(logdir, [(s, {"loss": float(s), "kl": -s}) for s in range(30, 60)])
+    assert main(["import", "tensorboard", str(logdir), "--tracking-uri", store_uri]) == 0
+    assert "120 points of 2 keys imported; ended FINISHED" in capsys.readouterr().out
+    (run,) = imported_runs(store_uri)
+    h = load_histories(open_store(store_uri), [run.info.run_id], ["loss", "kl"])
+    np.testing.assert_array_equal(h.get(run.info.run_id, "kl").values, -np.arange(60))
+    assert metric_rows(store_uri) == 120
