@@ -29,6 +29,9 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
 - Values on a lattice (counts, k of N tokens, rewards of k/8) are jittered by up to half a quantum, the
   same at each step for every run (`dequantise`): medians of values that are mostly one lattice point
   jump a whole quantum, and flagged a fifth to a half of same-distribution count-like candidates.
+- A trailing window holding fewer points than its length (a run's first steps, after a gap) is tested
+  with the sd of a median of the points it holds (`partial_sd`), in the candidate as in the references'
+  own and left-out scores: a 3-step warm-up burst in the first 6 points no longer reads as a shift.
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact by a CUSUM split before the alert.
@@ -112,6 +115,7 @@ class NoiseModel(NamedTuple):
     change_bar: tuple[float, ...]  # per change_windows pair, in change sd (>= k_change, k_change_loo with 2+ seeds; self-calibrated)
     fill: float = 1.0  # fraction of the references' points in the compared values (< 1: the two-part comparison's zeros left out)
     innov_sd: float = 0.0  # robust sd of the noise's AR(1) innovations (x_t - phi x_(t-1)); measured only with impulse_clip > 0
+    own_sd: tuple[float, ...] = ()  # per trailing window: the part of null_sd that is the candidate's own noise (full window)
 
 
 class ZeroRate(NamedTuple):
@@ -343,6 +347,22 @@ def _trailing_median(x: np.ndarray, m: int) -> np.ndarray:
     return rolling(x, m, "median", center=False, min_periods=min_points(m))
 
 
+def partial_sd(x: np.ndarray, m: int, phi: float, full_sd: float, own_sd: float) -> np.ndarray | float:
+    """Per index, the no-change sd of the trailing m-median of `x` given how many finite points its
+    window holds: `full_sd` with its own-noise part (`own_sd`, a full window's) grown to a window of c
+    points' (ar_mean_var(c) for ar_mean_var(m)). A window of 6 points at a run's start (or after a gap)
+    was tested with the sd of 11: its median's sd is 1.2-1.4x that, so a normal 3-step burst in a run's
+    first steps (a gradient norm's warm-up) read as 6-8 sd (bench.divergence_length, `warmup`: 7 of 60
+    no-change 1k-step candidates flagged at step 5)."""
+    if not own_sd > 0:
+        return full_sd
+    c = np.cumsum(np.isfinite(x))
+    c[m:] -= c[:-m].copy()  # finite points in each trailing window of m
+    full_var = ar_mean_var(m, phi)
+    table = np.array([ar_mean_var(max(k, 1), phi) / full_var - 1.0 for k in range(m + 1)])
+    return np.sqrt(full_sd**2 + own_sd**2 * table[c])
+
+
 @functools.lru_cache(maxsize=32)
 def reference_model(references: tuple[Trace, ...], config) -> RefModel:
     steps = np.unique(np.concatenate([t.steps for t in references])) if references else np.empty(0, np.int64)
@@ -417,6 +437,14 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         def clean(x: np.ndarray) -> np.ndarray:
             return clean_impulses(x, phi_w, innov_sd, config.impulse_clip)
 
+        if innov_sd > 0 and not split:
+            # the centre from references cleaned of impulse echoes too: one reference's 14-sd innovation at
+            # phi 0.75-0.85 moved its 9-step centre for ~10 steps, and a candidate read as departing the
+            # other way (4 of 41 no-change flags on bench.divergence_length were such)
+            vals_c = np.column_stack([wide[:, j] + clean(resid[:, j]) for j in range(n)])
+            smooth = rolling(vals_c, config.window, "median", center=True, min_periods=need)
+            center = row_nanmedian(smooth)
+
         def null_sd_of(m: int, seeds: int) -> float:
             """sd of (a seed's trailing m-median - the centre of `seeds` seeds) under no change: its own noise,
             the centre's error (a w-step smooth averaged over m >= w steps errs as the raw points' m-step
@@ -429,20 +457,27 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         # cancel, so an abrupt change shows long before its level clears the seed spread.
         change_sd = tuple(max(float(np.sqrt(median_var(phi_w) * sigma**2 * ar_diff_var(q, p, phi_w))),
                               rounding) for q, p in config.change_windows)
-        loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd, split, clean)
-        null_sd, thresholds = [], []
+
+        def own_of(m: int) -> float:  # a full window's own-noise part of the null sd
+            return float(np.sqrt(median_var(phi_w) * sigma**2 * ar_mean_var(m, phi_w)))
+
+        loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd, split, clean,
+                                               lambda x, m, sd: partial_sd(x, m, phi_w, sd, own_of(m)))
+        null_sd, thresholds, owns = [], [], []
         for wi, m in enumerate(config.windows):
             sd = null_sd_of(m, n)
             null_sd.append(sd)
             # Self-calibration: the largest |trailing median| each seed's own residual reaches on this window
             # (bursts, heavy tails) sets the bar for a candidate of the same configuration.
-            own_sd = np.sqrt(median_var(phi_w) * sigma**2 * ar_mean_var(m, phi_w))
+            own_sd = own_of(m)
+            owns.append(own_sd)
             top = 0.0
             if own_sd > 0:
                 for j in range(n):
-                    tm = _trailing_median(clean(points(resid[:, j], split)), m)
+                    x = clean(points(resid[:, j], split))
+                    tm = _trailing_median(x, m)
                     if np.isfinite(tm).any():
-                        top = max(top, float(np.nanmax(np.abs(tm))) / own_sd)
+                        top = max(top, float(np.nanmax(np.abs(tm) / partial_sd(x, m, phi_w, own_sd, own_sd))))
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
             # their bar rises by `k_per_halving` for each halving below the longest window.
             thresholds.append(window_bar(config, m, top * own_sd / sd if sd > 0 else 0.0, loo_level[wi]))
@@ -457,7 +492,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         diff_scale = max(diff_scale, rounding)
         zeros = _zero_rate(raw, config) if split else None
     noise = NoiseModel(log, sigma, phi, spread, n, tuple(null_sd), change_sd, tuple(thresholds), ref_nonfinite,
-                       diff_scale, var_bar, change_bar, fill, innov_sd)
+                       diff_scale, var_bar, change_bar, fill, innov_sd, tuple(owns))
     ref_ok = np.isfinite(raw).any(axis=1) if raw.shape[1] else np.zeros(len(steps), bool)
     return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros, q)
 
@@ -583,7 +618,8 @@ def _run_stretches(zero_ind: np.ndarray, zero_rate: np.ndarray, zeros: ZeroRate)
 
 
 def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, change_sd: tuple[float, ...],
-                   compress: bool = False, clean=lambda x: x) -> tuple[list[float], list[float]]:
+                   compress: bool = False, clean=lambda x: x,
+                   partial=lambda x, m, sd: sd) -> tuple[list[float], list[float]]:
     """With 2 or more seeds, each seed is a no-change candidate against the centre of the others: the
     largest |z| each level window and each change test reaches on it, over the whole run (z in the null
     sd of a centre of n-1 seeds). It carries what the noise model leaves out (how far seeds wander apart
@@ -600,7 +636,7 @@ def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, cha
         lengths = {*config.windows, *(w for pair in config.change_windows for w in pair)}
         med = {m: _trailing_median(r, m) for m in lengths}
         for wi, m in enumerate(config.windows):
-            z = med[m] / null_sd_of(m, n - 1)
+            z = med[m] / partial(r, m, null_sd_of(m, n - 1))
             if np.isfinite(z).any():
                 level[wi] = max(level[wi], float(np.nanmax(np.abs(z))))
         for ci, ((q, p), sd) in enumerate(zip(config.change_windows, change_sd)):
@@ -705,7 +741,9 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         return medians[m]
 
     with quiet():
-        level = {m: trailing(m) / sd for m, sd in zip(config.windows, noise.null_sd)}
+        # a window partly filled (a run's start, after a gap) has the sd of the points it holds
+        level = {m: trailing(m) / partial_sd(r, m, thinned_phi(noise.phi, noise.fill), sd, own)
+                 for m, sd, own in zip(config.windows, noise.null_sd, noise.own_sd or (0.0,) * len(noise.null_sd))}
         # (window, z, bar, window whose level z says when it is over, steps it looks back, its null sd)
         # every window at every step where it is 60% full: whether a window counts never depends on
         # how long the candidate is now, so a prefix of the run reports what the whole run reports there
