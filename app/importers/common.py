@@ -107,6 +107,7 @@ class RunImport:
 
     def poll(self, *, final: bool) -> Outcome:
         """Import everything the reader has now, `POLL_POINTS` at a time."""
+        part = 0
         while True:
             p = self.reader.poll(final=final, limit=POLL_POINTS)
             if self.run_id is None:
@@ -116,12 +117,14 @@ class RunImport:
             out = self.outcome
             out.problems += p.problems
             out.params += self._log_params(p.params)
+            if part:  # back-pressure: the part read while the previous one was delivered waits for it
+                self.writer.flush(timeout=600)
             self._send(p.points, out)
+            part += 1
             if p.ended is not None:
                 out.ended = p.ended
             if not p.more:
                 return out
-            self.writer.flush(timeout=600)  # back-pressure: the next part is read once this one is stored
 
     def _open(self) -> None:
         from rldiag.collectors.mlflow_store import client_for, make_sender, open_run
