@@ -253,13 +253,16 @@ class RldiagCallback(TrainerCallback):
             if report is not None:
                 report.norm = math.sqrt(shard_sq + rest_sq)  # NaN when any rank's is
             report = self._agree(report, any_rank_bad=bad_ranks != 0.0, shared=shared)
+            if report is not None and report.finite and not math.isfinite(report.norm):
+                report.norm = math.nan  # finite gradients whose float32 squares overflowed: unknown, never inf
         scale = extra.pop() if scale_t is not None else None
         loss_value = extra[0] if extra else None
         # the norms were taken at the end of backward, before the Trainer's unscale_: still scaled
         failed = report is not None and report.finite is False and self.session is not None
         report = self.nonfinite.judge(report, scale=scale, scaled=True, loss=loss_value, how="hooks",
                                       order=self._check.order() if failed else (), watched=watched)
-        if self._reduced_norm(report, shared=shared, trainer_norm=trainer_norm, optimizer=optimizer):
+        unknown = self._reduced_norm(report, shared=shared, trainer_norm=trainer_norm, optimizer=optimizer)
+        if unknown and (trainer_norm is None or math.isfinite(trainer_norm)):
             self._norm_from_log = step  # no norm is made up: the flag alone, and the Trainer's grad_norm
         # in the trainer's run, `loss` is MLflowCallback's (filtered) value: the real one goes beside it
         values = {(REAL_LOSS if self._shared_run else keys.LOSS): loss_value} if extra else {}

@@ -140,3 +140,47 @@ def test_under_ddp_one_rank_s_overflowing_norm_is_finite_on_every_rank(sqlite_ur
         assert r["go"] is True and r["finite"] is True and r["norm"] == pytest.approx(exact, rel=1e-6)
     client = mlflow.MlflowClient(sqlite_uri)
     assert client.get_metric_history(ranks[0]["run_id"], keys.GRAD_NORM)[0].value == pytest.approx(exact, rel=1e-6)
+
+
+def _trainer_ddp_worker(rank: int, world: int, port: int, uri: str, out: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), MLFLOW_DISABLE_TELEMETRY="true")
+    from transformers import Trainer, TrainingArguments
+
+    from rldiag.collectors.integrations.transformers import RldiagCallback
+    from tests.gloo_job import teardown
+
+    args = TrainingArguments(output_dir=os.path.join(out, f"rank{rank}"), report_to="none", save_strategy="no",
+                             use_cpu=True, disable_tqdm=True, logging_steps=1, max_steps=1, ddp_backend="gloo",
+                             per_device_train_batch_size=2, max_grad_norm=1.0, remove_unused_columns=False)
+    data = [{"x": torch.randn(4, generator=torch.Generator().manual_seed(i))} for i in range(4)]
+    trainer = Trainer(model=BigLoss(), args=args, train_dataset=data)
+    RldiagCallback(experiment="hf-ddp", tracking_uri=uri, alerts_jsonl=os.path.join(out, "alerts.jsonl"),
+                   spill_dir=os.path.join(out, f"spill{rank}")).attach(trainer)
+    trainer.train()
+    teardown()
+
+
+@pytest.mark.timeout(600)
+def test_trainer_callback_under_ddp_logs_no_inf_norm_for_finite_gradients(sqlite_uri, tmp_path):
+    """Under DDP the ranks' float32 squares overflow as well: the step is finite, its norm unknown (left out),
+    never the inf of the squares or of the Trainer's own clip, and nothing is alerted."""
+    pytest.importorskip("transformers")
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    mlflow.MlflowClient(sqlite_uri).search_experiments()  # migrate before two processes race to
+    mp.start_processes(_trainer_ddp_worker, args=(2, free_port(), sqlite_uri, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    client = mlflow.MlflowClient(sqlite_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("hf-ddp").experiment_id])
+    rid = run.info.run_id
+    assert [m.value for m in client.get_metric_history(rid, keys.GRAD_FINITE)] == [1.0]
+    # MLflow's SQL stores keep inf as max-float; rldiag flags a real inf beside it
+    assert all(m.value < 1e300 for m in client.get_metric_history(rid, keys.GRAD_NORM))
+    assert keys.inf_flag_key(keys.GRAD_NORM) not in run.data.metrics
+    alerts = tmp_path / "alerts.jsonl"
+    assert not alerts.exists() or alerts.read_text() == ""
