@@ -295,4 +295,6 @@ def run(args: argparse.Namespace) -> int:
     with library_output_to(log_file("masked-vs-unmasked")) as term:
         summaries = run_experiment(cfg, tracking_uri=uri, out=term)
     print(format_summaries(summaries, tracking_uri=uri, experiment=cfg.experiment))
+    if getattr(args, "on_done", None) is not None:  # `rldiag experiment`: the verdicts table
+        args.on_done([s.run_id for s in summaries], uri)
     return 0 if all(s.undelivered == 0 for s in summaries) else 1

@@ -1,7 +1,9 @@
 """`rldiag experiment NAME`: the reproductions in `rldiag.experiments`, one module each.
 
 Each experiment module has `add_arguments(parser)` (its options; the tracking URI is added here) and
-`run(args) -> int` (ValueError for bad input), and prints `rldiag.experiments.summary.format_summaries` at its end.
+`run(args) -> int` (ValueError for bad input), and prints `rldiag.experiments.summary.format_summaries` at its end,
+then calls `args.on_done(run_ids, tracking_uri)` where set: here, the table of each candidate's verdict,
+first departure and likely cause (`rldiag.app.cli.verdict_table`).
 """
 
 from __future__ import annotations
@@ -51,4 +53,8 @@ class _ExperimentParser(argparse.ArgumentParser):
 
 
 def run(args: argparse.Namespace) -> int:
+    from rldiag.app.cli.verdict_table import print_verdicts
+
+    # the experiment calls it with its run ids and the store once its runs are logged: the closing table
+    args.on_done = print_verdicts
     return importlib.import_module(EXPERIMENTS[args.experiment_name][0]).run(args)

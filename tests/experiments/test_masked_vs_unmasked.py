@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -208,12 +209,18 @@ def test_cli_prints_one_summary_line_per_run(store):
     out = rldiag("experiment", "masked-vs-unmasked", "--steps", "3", "--tracking-uri", uri, "--experiment", "mvu-cli",
                  cwd=tmp)
     assert out.returncode == 0, out.stderr
-    lines = {line.split()[1]: line.split() for line in out.stdout.splitlines() if "-b" in line and "xa" in line}
+    summary = out.stdout.split("Logged to", 1)[0]  # the run table; the verdicts table follows
+    lines = {line.split()[1]: line.split() for line in summary.splitlines() if "-b" in line and "xa" in line}
     assert set(lines) == NANS | FINITE
     for name, cols in lines.items():
         assert cols[2] == ("1" if name in NANS else "none")  # first non-finite step
     assert uri in out.stdout and "'mvu-cli'" in out.stdout
     assert "non-finite gradients in run unmasked-b1xa2" in out.stderr  # the alert, in the terminal
+    # then one verdict per candidate, from the comparison the report and the dashboard make
+    table = out.stdout.split("likely cause\n", 1)[1]
+    for name in NANS:
+        assert re.search(rf"^{name} +non-finite gradients +grad/finite 0 at step 1 +-inf padding", table, re.M), table
+    assert "Fixes:\n  unmasked-b1xa2, unmasked-b2xa1: mask padding" in table or len(NANS) != 2, table
     # what the libraries print goes to a log file, named in one line
     log = next(line.split(": ", 1)[1] for line in out.stderr.splitlines() if line.startswith("library warnings"))
     assert (tmp / log).is_file() and "rldiag:" not in (tmp / log).read_text()
