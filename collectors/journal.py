@@ -28,6 +28,13 @@ delivering a batch twice stores it once. Lines that do not parse (a process kill
 file) are skipped and counted. NaN and inf are written as JSON's `NaN` / `Infinity` tokens, which
 Python's json reads back.
 
+A failed write (ENOSPC, EIO, EROFS) is undone (the segment is cut back to where the line began, so
+no torn line sits between two whole ones; where even that fails, the segment is left and the next
+append starts a new one), and the writer tries again with its next batch. Acks that could not be
+written are kept and written with the next ack. A segment deleted under a running writer (the spill
+folder removed) is noticed at the next append: the folder and the lock are made again and a new
+segment begins.
+
 The journal holds a run's metrics and tags: its files are created readable by their owner only
 (0600), in a folder created 0700 (an existing folder keeps its mode).
 """
@@ -121,6 +128,7 @@ class Journal:
         self._fd = -1
         self._cur_bytes = 0
         self._closed = False
+        self._owed: dict[Segment, list[int]] = {}  # acks whose write failed: written with the next ack
         self.unreadable: list[tuple[Path, str]] = []
         self.foreign: list[tuple[Path, str]] = []  # files named like its segments that are not: never touched
         self.corrupt_lines = 0  # lines of the scanned segments that do not parse
@@ -179,7 +187,7 @@ class Journal:
             raise
 
     def _adopt(self, stem: str) -> JournalScan:
-        scan = scan_journal(self.folder, stem)
+        scan = scan_journal(self.folder, stem, self.run_id or None)
         self.unreadable += scan.unreadable
         self.foreign += scan.foreign
         self.corrupt_lines += scan.corrupt_lines
@@ -215,6 +223,8 @@ class Journal:
         line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
         with self._lock:
             self._check_open()
+            if self._cur is not None and os.fstat(self._fd).st_nlink == 0:
+                self._forget_current()  # deleted under us (the spill folder removed): begin a new one
             if self._cur is None or (self._cur.batches and self._cur_bytes + len(line) > self.segment_bytes):
                 self._rotate()
             at = self._cur_bytes
@@ -225,18 +235,37 @@ class Journal:
             return at
 
     def ack(self, batches: list[Batch]) -> None:
-        """Record delivery, in each batch's own segment; delete segments left with nothing to deliver."""
-        by_home: dict[Segment, list[int]] = {}
-        for b in batches:
-            if b.home is not None:
-                by_home.setdefault(b.home, []).append(b.seq)
+        """Record delivery, in each batch's own segment; delete segments left with nothing to deliver.
+        An ack that cannot be written (a full disk) is kept and written with the next one; the first
+        such error is raised once the others are written."""
         with self._lock:
             self._check_open()
-            for seg, seqs in by_home.items():
+            for b in batches:
+                if b.home is not None:
+                    self._owed.setdefault(b.home, []).append(b.seq)
+            self._write_owed()
+
+    def _write_owed(self) -> None:
+        error: OSError | None = None
+        for seg, seqs in list(self._owed.items()):
+            if seg not in self._segments:  # deleted (delivered, or removed under us): nothing to mark
+                del self._owed[seg]
+                continue
+            try:
                 self._write_to(seg, {"ack": seqs})
-                seg.open_batches -= len(seqs)
-                if seg.open_batches <= 0 and seg is not self._cur:
-                    self._drop(seg)
+            except FileNotFoundError:
+                self._segments.remove(seg)  # removed under us: its batches are gone from disk
+                del self._owed[seg]
+                continue
+            except OSError as e:
+                error = error or e
+                continue
+            del self._owed[seg]
+            seg.open_batches -= len(seqs)
+            if seg.open_batches <= 0 and seg is not self._cur:
+                self._drop(seg)
+        if error is not None:
+            raise error
 
     def refuse(self, entries: list[tuple[tuple, str]], home: Segment | None) -> None:
         """Record entries the store refused for good, each with the store's reason."""
@@ -258,6 +287,7 @@ class Journal:
             self._cur = None
             if old.open_batches <= 0:
                 self._drop(old)
+        self._ensure_folder()
         while True:  # a new file, never one that is there (a file of the user's with a segment's name)
             path = segment_path(self.folder, self.stem, self._next_number)
             try:
@@ -269,24 +299,58 @@ class Journal:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077 and st.st_uid == os.getuid():
                 os.fchmod(fd, 0o600)
-            seg = Segment(path, self._next_number, self.stem)
-            self._fd, self._cur, self._cur_bytes = fd, seg, st.st_size
             shown = redact_uri(self._uri or "")
             header: dict = {"rldiag_journal": JOURNAL_VERSION, "run_id": self.run_id, "tracking_uri": shown,
-                            "segment": seg.number}
+                            "segment": self._next_number}
             if shown != (self._uri or ""):
                 header["uri_redacted"] = True
-            self._write_current((json.dumps(header, separators=(",", ":")) + "\n").encode())
-            self._next_number += 1
-            self._segments.append(seg)
+            line = (json.dumps(header, separators=(",", ":")) + "\n").encode()
+            _write_all(fd, line)
         except BaseException:
-            if self._fd == fd:
-                self._fd, self._cur = -1, None
             os.close(fd)
+            _unlink(path)  # made here (O_EXCL), its header not whole: ours, and not a journal
             raise
+        seg = Segment(path, self._next_number, self.stem)
+        self._fd, self._cur, self._cur_bytes = fd, seg, st.st_size + len(line)
+        self._next_number += 1
+        self._segments.append(seg)
+
+    def _ensure_folder(self) -> None:
+        """The folder and our lock file, made again if the folder was removed under a running writer."""
+        lk = self._locks[self.stem]
+        try:
+            same = os.stat(lk.path).st_ino == os.fstat(lk.fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        new = try_lock(lk.path)
+        if new is None:
+            raise OSError(f"{lk.path} was removed and is now held by another process ({holder(lk.path)})")
+        lk.release(delete=False)
+        self._locks[self.stem] = new
+        log.warning("rldiag: the journal folder %s of run %s was removed while the run went on: made it again; "
+                    "batches that waited only in the removed files are counted lost", self.folder, self.run_id)
+
+    def _forget_current(self) -> None:
+        """The segment being written was deleted under us: let go of it (its batches are gone)."""
+        os.close(self._fd)
+        self._fd = -1
+        if self._cur in self._segments:
+            self._segments.remove(self._cur)
+        self._cur = None
 
     def _write_current(self, data: bytes) -> None:
-        _write_all(self._fd, data)  # one write straight into the OS: survives a SIGKILL of this process
+        try:
+            _write_all(self._fd, data)  # one write straight into the OS: survives a SIGKILL of this process
+        except OSError:
+            try:
+                os.ftruncate(self._fd, self._cur_bytes)  # undo a part-written line (a full disk mid-line)
+            except OSError:
+                os.close(self._fd)  # cannot undo: leave the segment (its torn end is read as damaged)
+                self._fd, self._cur = -1, None
+            raise
         self._cur_bytes += len(data)
 
     def _write_to(self, seg: Segment, obj: dict) -> None:
@@ -299,7 +363,14 @@ class Journal:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 line = b"\n" + line  # the segment ends in a torn line (its writer was killed mid-write)
-            _write_all(fd, line)
+            try:
+                _write_all(fd, line)
+            except OSError:
+                try:
+                    os.ftruncate(fd, size)
+                except OSError:
+                    pass  # a torn ack line: read as damaged, its batches replayed (stored once)
+                raise
         finally:
             os.close(fd)
 
@@ -322,12 +393,22 @@ class Journal:
         with self._lock:
             return list(self._segments)
 
+    def on_disk(self) -> set[Segment]:
+        """The segments whose files are still there (not removed under the writer)."""
+        with self._lock:
+            return {s for s in self._segments if s.path.exists()}
+
     def close(self, *, delete: bool = True) -> None:
         """Release the journal; with `delete`, remove its segments whose batches are all acknowledged
         (only those: a segment with a batch the store never took, or a damaged one, is kept)."""
         with self._lock:
             if self._closed:
                 return
+            if self._owed:
+                try:
+                    self._write_owed()
+                except OSError:
+                    pass  # still unwritable: those batches are replayed again (stored once)
             self._closed = True
             if self._fd >= 0:
                 os.close(self._fd)

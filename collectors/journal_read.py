@@ -10,10 +10,11 @@ sequence number, where it starts and how many entries it holds (taken from the l
 undelivered; `read_batch` parses one of them when the sender gets to it. Acknowledged batches are
 never parsed.
 
-Only verified segments are ever read for batches, acknowledged or deleted (`segment_problem`): a file
+Only verified segments are ever read for batches, acknowledged or deleted (`read_header`): a file
 whose name is a segment's but whose first line is not an rldiag journal header for that name (the
-user's `my_eval_results.jsonl`, rldiag's own `alerts.jsonl`, a file of damaged lines) is listed in
-`JournalScan.foreign` with the reason, and left byte-identical.
+user's `my_eval_results.jsonl`, rldiag's own `alerts.jsonl`, a file of damaged lines), or whose header
+names another run than the journal's, is listed in `JournalScan.foreign` with the reason, and left
+byte-identical.
 """
 
 from __future__ import annotations
@@ -140,46 +141,63 @@ def journal_stems(folder: Path) -> list[str]:
 HEADER_MAX_BYTES = 1 << 16  # a header line is ~200 bytes; a longer first line is not one
 
 
-def segment_problem(path: Path) -> str | None:
-    """Why `path` is not a segment of an rldiag journal (None if it is one): it must be a regular file
-    named `<stem>.jsonl` or `<stem>.<K>.jsonl` whose first line is a journal header
-    (`{"rldiag_journal": N, "run_id": R, ...}`) naming a run R whose journals have that stem (`R` or
-    `R-<k>`) and, when it says one, that segment number K. Only such files are ever deleted."""
+def read_header(path: Path) -> tuple[dict | None, str | None]:
+    """(the header, None) when `path` is a segment of an rldiag journal, else (None, why not): a regular
+    file named `<stem>.jsonl` or `<stem>.<K>.jsonl` whose first line is a journal header
+    (`{"rldiag_journal": N, "run_id": R, ...}`) that, when it says a segment number, says K."""
     if not path.name.endswith(".jsonl"):
-        return "its name does not end in .jsonl"
-    _, stem, number = split_name(path)
+        return None, "its name does not end in .jsonl"
+    number = split_name(path)[2]
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a device or FIFO would read forever
-            return "it is not a regular file"
+            return None, "it is not a regular file"
         with open(path, "rb") as f:
             first = f.readline(HEADER_MAX_BYTES)
     except OSError as e:
-        return f"it cannot be read ({e})"
+        return None, f"it cannot be read ({e})"
     try:
         head = _loads(first)
     except ValueError:
-        return "its first line is not an rldiag journal header"
+        head = None
     if not isinstance(head, dict) or not isinstance(head.get("rldiag_journal"), int):
-        return "its first line is not an rldiag journal header"
-    run_id = head.get("run_id")
-    if not isinstance(run_id, str) or not run_id:
-        return "its header names no run"
-    if stem != run_id and not re.fullmatch(re.escape(run_id) + r"-\d+", stem):
-        return f"its header names run {run_id!r}, whose journals are not named {stem!r}"
+        return None, "its first line is not an rldiag journal header"
+    if not isinstance(head.get("run_id"), str) or not head["run_id"]:
+        return None, "its header names no run"
     if "segment" in head and head["segment"] != number:
-        return f"its header says segment {head['segment']!r}, its name segment {number}"
-    return None
+        return None, f"its header says segment {head['segment']!r}, its name segment {number}"
+    return head, None
 
 
-def scan_journal(folder: Path, stem: str) -> JournalScan:
-    """Every segment of the journal `stem`, read once for numbers only (see the module docstring)."""
+def segment_problem(path: Path) -> str | None:
+    """Why `path` is not a segment of an rldiag journal, or None (`read_header`)."""
+    return read_header(path)[1]
+
+
+def _names_stem(run_id: str, stem: str) -> bool:
+    return stem == run_id or re.fullmatch(re.escape(run_id) + r"-\d+", stem) is not None
+
+
+def scan_journal(folder: Path, stem: str, run_id: str | None = None) -> JournalScan:
+    """Every segment of the journal `stem`, read once for numbers only (see the module docstring).
+
+    Only segments of one run are read: `run_id`, else the run whose journals the stem names (`R`,
+    `R-<k>`), else (a journal copied under another name) the run of its first segment. Any other file
+    named like a segment is listed in `foreign` and never read further, written or deleted."""
     out = JournalScan()
     acked: set[int] = set()
     found: list[tuple[Segment, list[Pending], list[int]]] = []
+    heads = []
     for number, path in segment_files(folder, stem):
-        why = segment_problem(path)
+        head, why = read_header(path)
         if why is not None:
             out.foreign.append((path, why))
+        else:
+            heads.append((number, path, head["run_id"]))
+    if run_id is None and heads:
+        run_id = next((r for _, _, r in heads if _names_stem(r, stem)), heads[0][2])
+    for number, path, named in heads:
+        if named != run_id:
+            out.foreign.append((path, f"its header names run {named!r}, not this journal's run {run_id!r}"))
             continue
         try:
             batches, unsized = _scan_segment(path, out, acked)

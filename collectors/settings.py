@@ -49,6 +49,9 @@ RLDIAG_ALERTS_JSONL = EnvVar("RLDIAG_ALERTS_JSONL", None, "JSONL file that recei
 RLDIAG_CLOSE_TIMEOUT = EnvVar("RLDIAG_CLOSE_TIMEOUT", "30", "Seconds close() waits for the store.")
 RLDIAG_BACKLOG_POINTS = EnvVar("RLDIAG_BACKLOG_POINTS", "200000", "Points the writer's outage backlog keeps in "
                                "memory (about 140 bytes each); the rest waits in the journal on disk.")
+RLDIAG_QUEUE_POINTS = EnvVar("RLDIAG_QUEUE_POINTS", "500000", "Points that may wait between log_metrics and the "
+                             "writer's ingest thread (about 100 bytes each); past it a log call still returns at "
+                             "once and its points are counted lost (stats.lost_queue) with a warning.")
 RLDIAG_SIGNALS = EnvVar("RLDIAG_SIGNALS", "1", "On SIGTERM/SIGINT, drain and end open runs as KILLED, then go on "
                         "with the process's own handling (0: leave the signal handlers alone).")
 # MLflow's own credential variables: what a tracking URI without userinfo authenticates with.

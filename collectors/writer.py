@@ -3,7 +3,10 @@
     training thread ──put──► queue ──► ingest thread ──► journal file (append, before sending)
                                                      └──► pending batches ──► sender thread ──► store
 
-- `log_metrics` / `set_tags` only put a tuple on an unbounded queue: they never wait on I/O.
+- `log_metrics` / `set_tags` only put a tuple on a queue: they never wait on I/O. The queue is bounded
+  (`queue_points`, RLDIAG_QUEUE_POINTS entries): past it the call still returns at once and what does
+  not fit is counted lost (`stats.lost_queue`), with one warning when such a stretch begins and one,
+  naming how many, when the ingest thread has caught up.
 - The ingest thread validates (bad values are counted and warned about once per key; keys are checked
   against MLflow's own rules, `key_problem`, and cleaned with a warning once per key), adds the inf
   flags (`keys.inf_flag_key`), and journals each batch.
@@ -17,8 +20,15 @@
   warning per key, counted in `stats.refused` and recorded in the journal, and the rest is delivered.
   If the store refuses even an empty batch for the run (run deleted, no permission), the refusal is
   about the run, not the points: they are kept and retried like an outage.
-- `close()` drains with a bounded wait. What is still undelivered is counted and reported with the
-  journal's path and the `rldiag sync` command that replays it; a fully delivered journal is removed.
+- A failed journal write (ENOSPC, EIO, EROFS, the folder removed) turns the journal DOWN: later batches
+  try it again and it is UP again as soon as one is written. While it is down the RAM cap still holds:
+  a batch that does not fit is counted lost (`stats.lost_memory`) with a warning naming how many.
+- `close()` drains with a bounded wait, then counts every entry wherever it is (the queue, the chunk
+  the ingest thread holds, memory, the journal), so that `stats.balance() == 0`: logged + inf flags +
+  replayed-in = delivered + refused + rejected + superseded + journaled + lost. Batches that waited only
+  in memory are journaled at close if the journal takes them. The summary names the store's, the
+  journal's (with its path and the `rldiag sync` command) and the lost counts; a fully delivered
+  journal is removed.
   A writer started again for the same run replays its journal first. After `close()`, `flush()`
   returns at once and `log_metrics` / `set_tags` warn once (counted in `stats.after_close`).
 - A value that makes the ingest thread raise (an int past float's range, a `__float__` that fails) is
@@ -36,6 +46,7 @@ flush, drain at exit.
 from __future__ import annotations
 
 import atexit
+import enum
 import logging
 import math
 import os
@@ -70,7 +81,7 @@ from rldiag.collectors.limits import (
     json_len,
     key_problem,
 )
-from rldiag.collectors.settings import RLDIAG_BACKLOG_POINTS
+from rldiag.collectors.settings import RLDIAG_BACKLOG_POINTS, RLDIAG_QUEUE_POINTS
 from rldiag.collectors.uri import redact_text
 
 log = logging.getLogger("rldiag.writer")
@@ -88,14 +99,58 @@ class WriterStats:
     rejected: int = 0  # values that are not numbers (None, str, ...), steps past int64: warned about, not written
     refused: int = 0  # points and tags the store refused for good: warned about, set aside, the rest delivered
     replayed: int = 0  # points delivered from an earlier journal of the same run
-    undelivered: int = 0  # set by close(): points still only in the journal (or, see close(), not even there)
+    undelivered: int = 0  # set by close(): entries not in the store (journaled + lost)
     after_close: int = 0  # points and tags logged after close(): warned about once, not written
     send_failures: int = 0  # store calls that failed and were retried
-    journal_errors: int = 0
-    lost: int = 0  # points in journal lines that could not be read back (damaged, or the file removed)
+    journal_errors: int = 0  # journal writes that failed (each retried with a later batch)
     spilled: int = 0  # points that waited in the journal, not in memory (the backlog past the RAM cap)
     last_error: str | None = None
     last_refusal: str | None = None  # the latest refused entry and the store's reason
+    # The ledger (`balance()`): what came in ...
+    logged: int = 0  # points and tags the caller logged before close() (the training thread's count)
+    flags: int = 0  # inf-flag points the writer added (`keys.inf_flag_key`)
+    replay_in: int = 0  # entries found undelivered in earlier journals of the run at start
+    # ... and where each entry went, besides delivered / refused / rejected:
+    superseded: int = 0  # a tag set again before it was sent: only its latest value is sent
+    journaled: int = 0  # set by close(): entries waiting in the journal (`rldiag sync` delivers them)
+    lost_queue: int = 0  # logged while the queue to the ingest thread was full
+    lost_memory: int = 0  # the journal down and the memory backlog at its cap
+    lost_unreadable: int = 0  # in journal lines that could not be read back (damaged, or the file removed)
+    lost_at_close: int = 0  # in memory, the queue or the ingest thread's hands when close() gave up, not journaled
+
+    @property
+    def lost(self) -> int:
+        """Entries that are in neither the store nor the journal, each counted (see the lost_* fields)."""
+        return self.lost_queue + self.lost_memory + self.lost_unreadable + self.lost_at_close
+
+    def balance(self) -> int:
+        """In minus out: 0 when every entry is accounted for (checked after close())."""
+        came = self.logged + self.flags + self.replay_in
+        went = (self.delivered + self.refused + self.rejected + self.superseded + self.journaled + self.lost)
+        return came - went
+
+    def lost_text(self) -> str:
+        """'N lost (why...)', then refused / rejected / superseded counts where not 0."""
+        why = [f"{n} {w}" for n, w in ((self.lost_queue, "queue full"), (self.lost_memory, "journal down, memory full"),
+                                       (self.lost_unreadable, "journal lines unreadable"),
+                                       (self.lost_at_close, "not journaled at close")) if n]
+        parts = [f"{self.lost} lost" + (f" ({', '.join(why)})" if why else "")]
+        parts += [f"{n} {w}" for n, w in ((self.refused, "refused"), (self.rejected, "rejected"),
+                                          (self.superseded, "tags superseded")) if n]
+        return " + ".join(parts)
+
+    def ledger(self) -> str:
+        """One line: logged = stored + journaled + lost (+ refused, rejected, superseded), and the balance."""
+        extra = "".join(f" + {n} {w}" for n, w in ((self.flags, "inf flags"), (self.replay_in, "from earlier journals"))
+                        if n)
+        return (f"logged {self.logged}{extra} = stored {self.delivered} + journaled {self.journaled} + "
+                f"{self.lost_text()}; balance {self.balance()}")
+
+
+class JournalState(enum.Enum):
+    OFF = "off"  # no journal wanted (spill_dir=None): nothing is journaled, no RAM cap
+    UP = "up"  # batches are journaled before they are sent
+    DOWN = "down"  # the latest write failed: tried again with each later batch; the RAM cap holds
 
 
 class ForkedWriterError(RuntimeError):
@@ -156,6 +211,7 @@ class MetricWriter:
         journal: Journal | None = None,
         backlog_points: int | None = None,
         segment_bytes: int | None = None,
+        queue_points: int | None = None,
     ):
         if linger_s < 0:
             raise ValueError(f"linger_s={linger_s}: use 0 or more seconds (how often queued points are taken)")
@@ -165,6 +221,10 @@ class MetricWriter:
         cap = RLDIAG_BACKLOG_POINTS.get_int() if backlog_points is None else backlog_points
         if cap < 0:
             raise ValueError(f"backlog_points={cap}: use 0 or more (points the outage backlog keeps in memory)")
+        qcap = RLDIAG_QUEUE_POINTS.get_int() if queue_points is None else queue_points
+        if qcap < 1:
+            raise ValueError(f"queue_points={qcap}: use 1 or more (points that may wait for the ingest thread; "
+                             f"default {RLDIAG_QUEUE_POINTS.default})")
         self.run_id = run_id
         self.stats = WriterStats()
         self._ram_cap = cap
@@ -179,6 +239,17 @@ class MetricWriter:
         self._backoff = backoff_s
         self._close_timeout = close_timeout_s
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue_cap = qcap
+        self._put = 0  # entries put on the queue (training thread) ...
+        self._got = 0  # ... and taken from it (ingest thread): their difference is what waits
+        self._q_full = False  # in a stretch of a full queue (ends below half the cap)
+        self._q_stretch = 0  # entries lost in the current stretch
+        self._drop_lock = threading.Lock()
+        self._ingest_lock = threading.Lock()  # held by the ingest thread while it handles one item
+        self._held: list = []  # the chunk the ingest thread took from the queue ...
+        self._held_pos = 0  # ... and how far it got
+        self._hb: list[Point] = []  # entries it converted and has not emitted yet
+        self._ht: dict[str, str] = {}
         self._pending: deque[Batch | _Flush] = deque()
         self._cv = threading.Condition()
         self._closing = threading.Event()
@@ -195,22 +266,24 @@ class MetricWriter:
         self._key_cache: dict[str, str] = {}
         self._tag_key_cache: dict[str, str] = {}
         self._seq = 0
+        self._threads_started = False
         self._inflight: list[Batch] = []
         self._inflight_done = 0  # entries of the in-flight group already delivered or set aside
         self._counted = False  # close() has counted what is undelivered: the counts change no more
         self._delay = backoff_s[0]
         self.journal: Journal | None = None
-        self._journal_ok = True  # False once an append failed: later batches live in memory only
-        seg = {} if segment_bytes is None else {"segment_bytes": segment_bytes}
+        self._jstate = JournalState.OFF if journal is None and journal_file is None and spill_dir is None \
+            else JournalState.UP
+        self._spill_dir = spill_dir
+        self._seg_kw = {} if segment_bytes is None else {"segment_bytes": segment_bytes}
+        self._reopen_at = 0.0  # when to try opening the journal again (it could not be opened)
+        self._down_lost = 0  # entries lost in the current stretch of the journal being down
         if journal is not None:
             self.journal = journal
         elif journal_file is not None:
-            self.journal = Journal.for_file(journal_file, tracking_uri, **seg)  # JournalBusy: the caller's
+            self.journal = Journal.for_file(journal_file, tracking_uri, **self._seg_kw)  # JournalBusy: the caller's
         elif spill_dir is not None:
-            try:
-                self.journal = Journal.for_run(spill_dir, run_id, tracking_uri, **seg)
-            except (OSError, JournalBusy) as e:
-                self._journal_failed(e)
+            self._open_journal()
         if self.journal is not None:
             self._recover(self.journal)
         self._threads = [
@@ -219,6 +292,7 @@ class MetricWriter:
         ]
         for t in self._threads:
             t.start()
+        self._threads_started = True
         _live_writers.add(self)
 
     # ---- training thread -------------------------------------------------------------------------
@@ -228,14 +302,43 @@ class MetricWriter:
             self._after_close(len(metrics), f"metrics at step {step}")
             return
         ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
-        self._q.put((int(step), ts, dict(metrics)))  # a copy: the caller may reuse its dict
+        if self._admit(len(metrics)):
+            self._q.put((int(step), ts, dict(metrics)))  # a copy: the caller may reuse its dict
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Enqueue run tags (delivered in order with the metrics)."""
         if self._closed:
             self._after_close(len(tags), "tags")
             return
-        self._q.put((None, 0, dict(tags)))
+        if self._admit(len(tags)):
+            self._q.put((None, 0, dict(tags)))
+
+    def _admit(self, n: int) -> bool:
+        """Count `n` logged entries; False (and counted lost) when the queue holds `queue_points` already."""
+        self.stats.logged += n
+        waiting = self._put - self._got
+        if self._q_full and waiting <= self._queue_cap // 2:
+            self._end_queue_stretch()
+        if waiting + n > self._queue_cap:
+            with self._drop_lock:
+                self.stats.lost_queue += n
+                self._q_stretch += n
+                if not self._q_full:
+                    self._q_full = True
+                    log.warning("rldiag: the writer of run %s has %d points queued for its ingest thread "
+                                "(RLDIAG_QUEUE_POINTS / queue_points=%d): points logged until it catches up are "
+                                "counted lost, in stats.lost_queue", self.run_id, waiting, self._queue_cap)
+            return False
+        self._put += n
+        return True
+
+    def _end_queue_stretch(self) -> None:
+        with self._drop_lock:
+            if not self._q_full:
+                return
+            n, self._q_full, self._q_stretch = self._q_stretch, False, 0
+        log.warning("rldiag: the ingest thread of run %s caught up; %d points logged while its queue was full "
+                    "were lost (%d in all, stats.lost_queue)", self.run_id, n, self.stats.lost_queue)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything enqueued before this call reached the store; False on timeout.
@@ -247,13 +350,14 @@ class MetricWriter:
             self._close_done.wait(timeout)  # a close() in progress on another thread ends within its bound
             return self._close_done.is_set() and self.stats.undelivered == 0
         marker = _Flush()
+        lost = self.stats.lost  # a loss meanwhile (queue full, journal down and memory full): not all delivered
         with self._flush_lock:
             if self._flushes_released:
                 return self.stats.undelivered == 0
             self._flush_markers.add(marker)
         self._q.put(marker)
         try:
-            return marker.event.wait(timeout) and marker.ok
+            return marker.event.wait(timeout) and marker.ok and self.stats.lost == lost
         finally:
             with self._flush_lock:
                 self._flush_markers.discard(marker)
@@ -290,17 +394,23 @@ class MetricWriter:
             self._cv.notify_all()
         self._threads[1].join(max(0.0, deadline - time.monotonic()))
         self._give_up.set()
-        with self._cv:
-            self._cv.notify_all()
-            left = sum(b.size for b in [*self._pending, *self._inflight] if isinstance(b, Batch))
-            left += sum(b.remaining for b in self._pending if isinstance(b, _OnDisk))
-            left += self._src.remaining if self._src is not None else 0
-            left -= self._inflight_done if self._inflight else 0
-            self._counted = True
-        queued = self._drain_queue()  # points the ingest thread never reached (it was stuck): not journaled
+        # Count every entry where it is. The ingest thread is stopped between two items (it holds its lock
+        # while it handles one); if a journal write holds it past the deadline, what it holds is counted lost.
+        still = self._ingest_lock.acquire(timeout=max(0.5, deadline - time.monotonic()))
+        try:
+            with self._cv:
+                self._cv.notify_all()
+                self._counted = True
+                batches, on_disk = self._left_at_close()
+            in_hands = sum(len(it[2]) for it in self._held[self._held_pos:] if isinstance(it, tuple))
+            in_hands += len(self._hb) + len(self._ht)
+        finally:
+            if still:
+                self._ingest_lock.release()
+        queued = self._drain_queue()  # points the ingest thread never reached: not journaled
         if not self._ingest_done.is_set():
             self._q.put(_STOP)  # the drain may have taken it: the thread must still stop when it gets free
-        self.stats.undelivered = left + queued
+        self._settle(batches, on_disk, in_hands + queued)
         with self._flush_lock:  # no flush() waits past close(), whatever it waited for
             self._flushes_released = True
             for m in self._flush_markers:
@@ -308,21 +418,16 @@ class MetricWriter:
                 m.event.set()
         if self.journal is not None:
             self.journal.close(delete=True)  # only segments whose batches the store all acknowledged
-            if self.stats.lost:
-                log.error("rldiag: %d metric points of run %s were in journal lines that could not be read back",
-                          self.stats.lost, self.run_id)
         if self.stats.undelivered:
-            where = (
-                f"They are saved in {self.journal.path}; replay them with: rldiag sync {self.journal.path}"
-                if self.journal is not None
-                else "No journal was kept (spill_dir=None or the disk refused it): they are lost."
-            )
-            if queued and self.journal is not None:
-                where += f" ({queued} of them were still queued, never journaled: those are lost.)"
-            log.error(
-                "rldiag: %d metric points of run %s were not delivered (last error: %s). %s",
-                self.stats.undelivered, self.run_id, self.stats.last_error, where,
-            )
+            st = self.stats
+            where = (f"{st.journaled} in the journal {self.journal.path} (replay them with: rldiag sync "
+                     f"{self.journal.path})" if self.journal is not None
+                     else f"{st.journaled} in a journal (none was kept: spill_dir=None or the disk refused it)")
+            log.error("rldiag: %d metric points of run %s were not delivered (last error: %s): %d in the store, "
+                      "%s, %s.%s", st.undelivered, self.run_id, st.last_error, st.delivered - st.replayed, where,
+                      st.lost_text(),
+                      "" if still else " The ingest thread was stuck in a journal write at close: the points it "
+                      "held are counted lost, though that write may still land.")
         if self.stats.refused:
             log.warning(
                 "rldiag: the store refused %d metric points/tags of run %s for good; they were set aside "
@@ -330,6 +435,47 @@ class MetricWriter:
                 self.stats.refused, self.run_id, self.stats.last_refusal,
             )
         return self.stats
+
+    def _left_at_close(self) -> tuple[list[tuple[Batch, int]], list[tuple[Segment, int]]]:
+        """Under the lock: the batches not delivered (with how many of their entries are left) and the
+        entries waiting only in journal segments."""
+        batches = [(b, b.size) for b in self._pending if isinstance(b, Batch)]
+        done = self._inflight_done  # the in-flight group's first entries went (or were set aside)
+        for b in self._inflight:
+            n = min(done, b.size)
+            done -= n
+            if b.size - n:
+                batches.append((b, b.size - n))
+        on_disk = [(d.segment, d.remaining) for d in self._pending if isinstance(d, _OnDisk) and d.remaining]
+        if self._src is not None and self._src.remaining:
+            on_disk.append((self._src.segment, self._src.remaining))
+        return batches, on_disk
+
+    def _settle(self, batches: list[tuple[Batch, int]], on_disk: list[tuple[Segment, int]], unheld: int) -> None:
+        """Set the journaled and lost counts of close(). A batch that waited only in memory is journaled
+        now if the journal takes it (it is up again, or was never down)."""
+        alive = self.journal.on_disk() if self.journal is not None else set()
+        journaled = lost = 0
+        can_append = self.journal is not None
+        for b, left in batches:
+            if (b.home is None or b.home not in alive) and can_append:  # only in memory, or its file removed
+                try:
+                    self.journal.append(b)
+                    alive.add(b.home)
+                except (OSError, ValueError):
+                    can_append = False
+            if b.home is not None and b.home in alive:
+                journaled += left
+            else:
+                lost += left
+        for seg, left in on_disk:
+            if seg in alive:
+                journaled += left
+            else:
+                self.stats.lost_unreadable += left  # its file was removed under the writer
+        self.stats.journaled = journaled
+        self.stats.lost_at_close = lost + unheld
+        self.stats.undelivered = self.stats.journaled + self.stats.lost
 
     # ---- ingest thread ---------------------------------------------------------------------------
     def _ingest_loop(self) -> None:
@@ -350,26 +496,45 @@ class MetricWriter:
             if not full:
                 time.sleep(max(self._linger, 0.005))  # lingering also lets batches fill up
             items = []
-            while len(items) <= 4 * self._max_batch:
-                try:
-                    items.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
+            with self._ingest_lock:  # close() counts what waits while this thread is between two items
+                if self._counted or self._give_up.is_set():
+                    return
+                got = 0
+                while len(items) <= 4 * self._max_batch:
+                    try:
+                        it = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    items.append(it)
+                    if isinstance(it, tuple):
+                        got += len(it[2])
+                self._got += got
+                self._held, self._held_pos = items, 0
             full = len(items) > 4 * self._max_batch  # more is waiting: take it without sleeping
-            for it in items:
-                if it is _STOP:
-                    stop = True
-                elif isinstance(it, _Flush):
+            for i, it in enumerate(items):
+                if self._give_up.is_set():
+                    return  # close() gave up: it counts what this thread holds (no lock race to win)
+                with self._ingest_lock:
+                    if self._counted:
+                        return  # close() gave up and counted what this thread holds
+                    if it is _STOP:
+                        stop = True
+                    elif isinstance(it, _Flush):
+                        self._emit(buf, tags)
+                        buf, tags = [], {}
+                        self._push(it)
+                    else:
+                        buf, tags = self._ingest_item(it, buf, tags)
+                    self._held_pos, self._hb, self._ht = i + 1, buf, tags
+            with self._ingest_lock:
+                if self._counted or self._give_up.is_set():
+                    return
+                try:
                     self._emit(buf, tags)
-                    buf, tags = [], {}
-                    self._push(it)
-                else:
-                    buf, tags = self._ingest_item(it, buf, tags)
-            try:
-                self._emit(buf, tags)
-            except Exception as e:  # noqa: BLE001 - a bug must cost these points, not the thread
-                self._ingest_failed(len(buf) + len(tags), e)
-            buf, tags = [], {}
+                except Exception as e:  # noqa: BLE001 - a bug must cost these points, not the thread
+                    self._ingest_failed(len(buf) + len(tags), e)
+                buf, tags = [], {}
+                self._hb, self._ht, self._held = buf, tags, []
 
     def _ingest_item(self, it: tuple, buf: list[Point], tags: dict[str, str]) -> tuple[list[Point], dict[str, str]]:
         step, ts, payload = it
@@ -415,6 +580,7 @@ class MetricWriter:
                                         "setting it as %r", key, key_problem(str(key)), k)
                 v = str(value)
             except Exception as e:  # noqa: BLE001 - a key or value whose str() fails
+                self.stats.rejected += 1
                 self._warn_once(f"tag-value:{type(e).__name__}", "rldiag: a tag could not be made a string (%s: %s); "
                                 "not set", type(e).__name__, _safe_repr(e))
                 continue
@@ -422,7 +588,8 @@ class MetricWriter:
                 self._warn_once(f"tag-value:{k}", "rldiag: tag %r is %d characters; MLflow keeps %d, setting it "
                                 "truncated", k, len(v), MAX_TAG_VALUE_CHARS)
                 v = v[:MAX_TAG_VALUE_CHARS]
-            out.pop(k, None)  # a tag set again moves to the end: the latest value is sent last
+            if out.pop(k, None) is not None:  # a tag set again moves to the end: the latest value is sent last
+                self.stats.superseded += 1
             out[k] = v
 
     def _convert(self, payload: Mapping, step: int, ts: int, out: list[Point]) -> None:
@@ -460,27 +627,65 @@ class MetricWriter:
             out.append((k, v, ts, step))
             if math.isinf(v):
                 out.append((keys.inf_flag_key(k), 1.0 if v > 0 else -1.0, ts, step))
+                self.stats.flags += 1
 
     def _emit(self, points: list[Point], tags: dict[str, str]) -> None:
         if not points and not tags:
             return
         batch = Batch(self._seq, list(points), dict(tags))
         self._seq += 1
-        offset = None
-        if self.journal is not None and self._journal_ok:
-            try:
-                offset = self.journal.append(batch)
-            except (OSError, ValueError) as e:
-                self._journal_failed(e)
+        offset = self._journal_append(batch) if self._jstate is not JournalState.OFF else None
         self._push(batch, offset)
+
+    def _journal_append(self, batch: Batch) -> int | None:
+        """Journal `batch`; None when the journal cannot take it (it is then DOWN, and tried again with
+        the next batch; a journal that could not even be opened, at most once a second)."""
+        if self.journal is None and not self._open_journal():
+            return None
+        try:
+            offset = self.journal.append(batch)
+        except (OSError, ValueError) as e:  # ValueError: close() closed it meanwhile
+            self._journal_failed(e)
+            return None
+        if self._jstate is JournalState.DOWN:
+            self._jstate = JournalState.UP
+            log.warning("rldiag: the journal %s of run %s is written again%s", self.journal.path, self.run_id,
+                        f"; {self._down_lost} points did not fit in memory while it was down and are lost "
+                        f"({self.stats.lost_memory} in all, stats.lost_memory)" if self._down_lost else
+                        "; nothing was lost while it was down")
+            self._down_lost = 0
+        return offset
+
+    def _open_journal(self) -> bool:
+        """Open the run's journal in spill_dir (at start, or again after it could not be)."""
+        if time.monotonic() < self._reopen_at:
+            return False
+        try:
+            journal = Journal.for_run(self._spill_dir, self.run_id, self._uri, **self._seg_kw)
+        except (OSError, JournalBusy) as e:
+            self._reopen_at = time.monotonic() + 1.0
+            self._journal_failed(e)
+            return False
+        if self._threads_started:
+            self._recover(journal)  # mid-run: the journal could not be opened at start
+        self.journal = journal
+        return True
 
     def _push(self, item: Batch | _Flush, offset: int | None = None) -> None:
         """Queue for the sender. A journaled batch that would take the memory backlog past its cap
         waits in the journal instead (only its offset is kept)."""
+        dropped = 0
         with self._cv:
+            if self._counted:
+                return  # close() gave up and counted it where this thread held it
             if isinstance(item, _Flush):
                 self._flushes_waiting += 1
                 self._pending.append(item)
+            elif (offset is None and self._jstate is not JournalState.OFF
+                  and self._ram_points + item.size > self._ram_cap):
+                dropped = item.size  # the journal is down and memory is at its cap: lost, counted
+                self.stats.lost_memory += dropped
+                self._down_lost += dropped
             else:
                 item.created = time.monotonic()
                 self._pending_points += item.size
@@ -497,6 +702,13 @@ class MetricWriter:
                     self._pending.append(item)
                     spill = False
             self._cv.notify_all()
+        if dropped:
+            self._warn_once("lost-memory", "rldiag: the journal of run %s cannot be written and %d points already "
+                            "wait in memory (RLDIAG_BACKLOG_POINTS): a batch of %d points was lost (later ones "
+                            "are counted in stats.lost_memory, and said when the journal is written again). Free "
+                            "space in the spill folder or point RLDIAG_SPILL_DIR at a writable one",
+                            self.run_id, self._ram_points, dropped)
+            return
         if not isinstance(item, _Flush) and spill:
             self._warn_once("spill", "rldiag: the backlog of run %s passed %d points in memory "
                             "(RLDIAG_BACKLOG_POINTS); the rest waits in the journal %s and is read back from "
@@ -516,10 +728,22 @@ class MetricWriter:
         return max(0.0, self._send_interval - age)
 
     def _journal_failed(self, e: Exception) -> None:
+        """A journal write failed: DOWN until a later batch is written (what it holds is still read back)."""
         self.stats.journal_errors += 1
-        self._warn_once("journal", "rldiag: cannot write the local journal (%s): metrics are still sent, but what "
-                        "the store does not take before exit will be lost. Free disk space or set spill_dir.", e)
-        self._journal_ok = False  # what it already holds is still read back and acknowledged
+        if self._jstate is not JournalState.DOWN:  # one warning per stretch
+            self._jstate = JournalState.DOWN
+            self._warned.discard("lost-memory")
+            where = self.journal.path if self.journal is not None else self._spill_dir
+            log.warning("rldiag: cannot write the local journal %s (%s): metrics are still sent, and it is tried "
+                        "again with each later batch; meanwhile at most %d points wait in memory "
+                        "(RLDIAG_BACKLOG_POINTS), the rest is counted lost. Free disk space or set spill_dir.",
+                        where, e, self._ram_cap)
+
+    def _ack_failed(self, e: OSError) -> None:
+        """An ack could not be written: it is written with the next one (a replay meanwhile stores it once)."""
+        self.stats.journal_errors += 1
+        self._warn_once("journal-ack", "rldiag: cannot record deliveries in the journal of run %s (%s); tried "
+                        "again with the next ones", self.run_id, e)
 
     # ---- sender thread ---------------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -555,9 +779,9 @@ class MetricWriter:
         try:
             f = open(src.segment.path, "rb")  # noqa: SIM115 - closed by the with below
         except OSError as e:
-            self._lose(src.remaining, f"cannot read {src.segment.path} back ({e})")
+            self._lose(src, src.remaining, f"cannot read {src.segment.path} back ({e})")
             with self._cv:
-                src.remaining, self._src = 0, None
+                self._src = None
             return True
         with f:
             i, carry = 0, None
@@ -571,9 +795,7 @@ class MetricWriter:
                         carry, size = read_batch(f, src.offsets[i]), src.sizes[i]
                         i += 1
                         if carry is None:
-                            self._lose(size, f"a damaged line in {src.segment.path}")
-                            with self._cv:
-                                src.remaining -= size
+                            self._lose(src, size, f"a damaged line in {src.segment.path}")
                             continue
                         carry.home, carry.replayed = src.segment, src.replayed
                     if group and (n + carry.size > self._max_batch or ntags + len(carry.tags) > MAX_TAGS):
@@ -593,8 +815,13 @@ class MetricWriter:
             self._src = None
         return True
 
-    def _lose(self, n: int, why: str) -> None:
-        self.stats.lost += n
+    def _lose(self, src: _OnDisk, n: int, why: str) -> None:
+        """`n` entries of `src` cannot be read back: counted lost, under the lock that close() counts under."""
+        with self._cv:
+            if self._counted:
+                return
+            self.stats.lost_unreadable += n
+            src.remaining -= n
         self._warn_once("lost", "rldiag: %d points of run %s could not be read back from the journal: %s (later "
                         "losses are only counted, in stats.lost)", n, self.run_id, why)
 
@@ -665,7 +892,7 @@ class MetricWriter:
                 # keep one copy of an identical point. Nothing is lost: no warning.
                 pass
             except OSError as e:
-                self._journal_failed(e)
+                self._ack_failed(e)
         return True
 
     def _send_entries(self, chunk: list[Entry]) -> None:
@@ -764,18 +991,21 @@ class MetricWriter:
             self._warn_once("recover", "rldiag: cannot read journal %s (%s); replay it later with rldiag sync", path, why)
         if journal.corrupt_lines:
             log.warning("rldiag: skipped %d damaged lines in %s", journal.corrupt_lines, journal.path)
-        self._seq = journal.next_seq
+        self._seq = max(self._seq, journal.next_seq)
         n = 0
-        for scan in journal.replay:
-            for s in scan.segments:
-                if not s.pending:
-                    continue
-                src = _OnDisk(s.segment, replayed=True)
-                for p in s.pending:
-                    src.add(p.offset, p.size)
-                self._pending.append(src)
-                self._pending_points += src.size
-                n += len(s.pending)
+        with self._cv:
+            for scan in journal.replay:
+                for s in scan.segments:
+                    if not s.pending:
+                        continue
+                    src = _OnDisk(s.segment, replayed=True)
+                    for p in s.pending:
+                        src.add(p.offset, p.size)
+                    self._pending.append(src)
+                    self._pending_points += src.size
+                    self.stats.replay_in += src.size
+                    n += len(s.pending)
+            self._cv.notify_all()
         if n:
             log.info("rldiag: replaying %d batches of run %s from %s", n, self.run_id, journal.path)
 

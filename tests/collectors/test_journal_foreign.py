@@ -33,8 +33,8 @@ def foreign_files(spill: Path, run_id: str) -> dict[Path, str]:
         spill / "my_eval_results.jsonl": '{"task": "gsm8k", "acc": 0.41}\n',  # a user's file
         spill / "empty.jsonl": "",
         spill / f"{run_id}.9.jsonl": "not json\n{broken\n",  # a run's segment name, every line unparsable
-        spill / f"{run_id}.8.jsonl": json.dumps({"rldiag_journal": 2, "run_id": "someoneelse", "segment": 8}) + "\n"
-        + json.dumps({"seq": 0, "n": 1, "m": [["x", 1.0, 1, 0]]}) + "\n",  # a header for another name
+        spill / f"{run_id}.8.jsonl": json.dumps({"rldiag_journal": 2, "run_id": "someoneelse", "segment": 3}) + "\n"
+        + json.dumps({"seq": 0, "n": 1, "m": [["x", 1.0, 1, 0]]}) + "\n",  # a header for another file
         spill / "other.jsonl": json.dumps({"ack": [0, 1]}) + "\n",  # only acks: "fully acknowledged", no header
     }
     for p, text in files.items():
