@@ -5,12 +5,13 @@
 
 Each run is one line, decimated by `rldiag.app.plots.decimate` (every bucket's min and max, so no spike is lost),
 drawn in the run's own colour (`run_colors`: from the run, not its place in the picked list); the
-reference runs wider and on top. Every NaN, +inf and -inf point is a marker of its own on a hidden
-[0, 1] axis: NaN as an x at the top edge, +inf a triangle at the top, -inf a triangle at the bottom,
-so a non-finite step shows whatever the line's scale; each run's markers sit a little further from
-the edge than the previous run's, so two runs NaN at the same steps both show, and each marker kind
-has its legend entry under its run. On a log scale the values <= 0 break the line and are open
-circles at the bottom, counted in the title. A candidate's divergence onset is a dashed vertical
+reference runs wider and on top. Every NaN, +inf and -inf point is a marker of its own in a thin
+strip above the plot area, on an axis of its own (`yaxis2`), so the data axis scales to the data
+alone and no marker reads as a value: one row per run that has such points (two runs NaN at the
+same steps both show), NaN an x, +inf a triangle up, -inf a triangle down, each kind with its legend
+entry under its run; the strip's label names the kinds. On a log scale the values <= 0 break the
+line and are open circles in that strip, counted in the title. The legend is horizontal above the
+plot, its rows counted into the top margin. A candidate's divergence onset is a dashed vertical
 line (candidates leaving at one step split its height) and a diamond on the candidate's curve. Run
 names are escaped: plotly shows them as text in legends and hover labels, never as HTML.
 """
@@ -18,7 +19,6 @@ names are escaped: plotly shows them as text in legends and hover labels, never 
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,21 +28,21 @@ import plotly.graph_objects as go
 from rldiag.app.analysis.divergence import Divergence, zero_rate_text
 from rldiag.app.data.align import align_by_step
 from rldiag.app.data.trace import Trace
+from rldiag.app.plots.colors import PALETTE, REFERENCE_COLOR, REFERENCE_GREYS, run_colors, run_order  # noqa: F401
 from rldiag.app.plots.decimate import DEFAULT_POINTS, decimate
 from rldiag.app.plots.plotly_compat import figure_from_dicts
-
-# Okabe-Ito, then Tableau: distinguishable for colour-blind readers; the reference always takes black.
-REFERENCE_COLOR = "#111111"
-PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#D55E00", "#CC79A7", "#0072B2", "#F0E442",
-           "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD")
-REFERENCE_GREYS = ("#111111", "#555555", "#888888", "#AAAAAA")
 
 NAN_SUFFIX = " NaN"
 POSINF_SUFFIX = " +inf"
 NEGINF_SUFFIX = " -inf"
 NONPOS_SUFFIX = " ≤ 0"  # log scale: finite values it cannot draw
 DIVERGES_PREFIX = "diverges: "
-MARKER_OFFSET = 0.04  # of the panel's height, between the markers of two runs
+STRIP_ROW_PX = 10  # the non-finite strip: one row of markers per run that has any
+STRIP_GAP_PX = 8  # between the strip and the plot area below it
+STRIP_MAX = 0.4  # of the plot area's height at most (rows then come closer)
+LEGEND_ROW_PX = 20  # one row of a horizontal legend in 10 px text
+LEGEND_WIDTH_PX = 520  # the width a chart's legend rows are estimated for (a report chart is >= 560 px)
+TITLE_PX = 30  # above the legend: the chart's title
 
 
 @dataclass(frozen=True)
@@ -62,44 +62,6 @@ class ChartOptions:
             raise ValueError(f"smoothing={self.smoothing}: use a weight in [0, 1), e.g. 0.6 (0 turns it off)")
         if self.first is not None and self.last is not None and self.first > self.last:
             raise ValueError(f"step range {self.first}..{self.last} is empty: the first step must be <= the last")
-
-
-def run_order(runs) -> list[str]:
-    """Run ids oldest first (start time, then id): the order `run_colors` reads a run's colour from.
-    `runs`: a DataFrame with `run_id` and `start_time` columns, every run of the experiment(s) (the
-    dashboard's run list, the report's search), so that a run keeps its colour whatever is picked."""
-    if runs is None or not len(runs):
-        return []
-    import pandas as pd
-
-    # datetimes (find_runs) or epoch numbers (a raw search): only their order matters
-    t = runs["start_time"]
-    t = t if pd.api.types.is_datetime64_any_dtype(t) else pd.to_datetime(t, unit="ms", utc=True, errors="coerce")
-    df = pd.DataFrame({"run_id": runs["run_id"].to_numpy(), "t": t.to_numpy()})
-    return df.sort_values(["t", "run_id"], kind="stable", na_position="first")["run_id"].tolist()
-
-
-def _hash_slot(run_id: str) -> int:
-    """A palette slot from the run id alone (a stable hash, the same in every process)."""
-    return int(hashlib.sha1(run_id.encode()).hexdigest()[:8], 16)
-
-
-def run_colors(run_ids: Sequence[str], reference_ids: Sequence[str] = (), *,
-               order: Sequence[str] | None = None) -> dict[str, str]:
-    """A colour per run that follows the run, not its place in the picked list: a candidate takes the
-    palette colour of its place in `order` (every run of its experiment, oldest first: `run_order`);
-    references take black and greys in that order. A run not in `order` (or no `order`): a stable hash
-    of its id. The dashboard and the report pass the same order, so a run has one colour in both."""
-    refs = set(reference_ids)
-    place = {r: i for i, r in enumerate(order or ())}
-
-    def slot(r: str) -> int:
-        return place[r] if r in place else _hash_slot(r)
-
-    ref_ids = sorted((r for r in run_ids if r in refs), key=lambda r: (r not in place, place.get(r, 0), r))
-    colors = {r: REFERENCE_GREYS[i % len(REFERENCE_GREYS)] for i, r in enumerate(ref_ids)}
-    colors.update({r: PALETTE[slot(r) % len(PALETTE)] for r in run_ids if r not in refs})
-    return colors
 
 
 def smooth(values: np.ndarray, weight: float) -> np.ndarray:
@@ -136,7 +98,7 @@ def _delta_traces(traces: Mapping[str, Trace], reference_ids: Sequence[str]) -> 
 
 
 def _marker(name: str, steps: np.ndarray, y: float, symbol: str, color: str, group: str, size: int = 9) -> dict:
-    """Markers on the hidden [0, 1] axis, listed in the legend under their run (`legendgroup`)."""
+    """Markers in the strip above the plot (axis y2, row `y`), listed in the legend under their run."""
     return dict(type="scatter", x=steps, y=np.full(len(steps), y, np.float32), mode="markers", name=name,
                 legendgroup=group, showlegend=True, yaxis="y2",
                 marker=dict(symbol=symbol, size=size, color=color, line=dict(width=1, color=color)),
@@ -184,7 +146,8 @@ def metric_figure(
     data: list[dict] = []
     shapes: list[dict] = []
     order = [r for r in shown if r not in refs] + [r for r in shown if r in refs]  # references drawn last, on top
-    marked = 0  # runs with markers so far: each next one sits a step further from the edge
+    marked = 0  # runs with markers so far: each run has its own row of the strip, from the top
+    kinds: dict[str, None] = {}  # the marker kinds drawn, for the strip's label
     dropped_total = 0
     for run in order:
         t = shown[run].between(options.first, options.last)
@@ -213,18 +176,22 @@ def metric_figure(
             hovertemplate=f"%{{y:.4g}} at step %{{x}}<extra>{name}</extra>",
         ))
         if len(nf.nan) or len(nf.posinf) or len(nf.neginf) or dropped.any():
-            # Two runs NaN at the same steps: offset each run's markers from the edge, so both show.
-            top, bottom = 1.0 - MARKER_OFFSET * marked, MARKER_OFFSET * marked
+            # Each run its own row of the strip: two runs NaN at the same steps both show.
+            row = float(marked)
             marked += 1
             if len(nf.nan):
-                data.append(_marker(name + NAN_SUFFIX, nf.nan, top, "x", color, run))
+                kinds["NaN"] = None
+                data.append(_marker(name + NAN_SUFFIX, nf.nan, row, "x", color, run))
             if len(nf.posinf):
-                data.append(_marker(name + POSINF_SUFFIX, nf.posinf, top, "triangle-up", color, run))
+                kinds["+inf"] = None
+                data.append(_marker(name + POSINF_SUFFIX, nf.posinf, row, "triangle-up", color, run))
             if len(nf.neginf):
-                data.append(_marker(name + NEGINF_SUFFIX, nf.neginf, bottom, "triangle-down", color, run))
+                kinds["-inf"] = None
+                data.append(_marker(name + NEGINF_SUFFIX, nf.neginf, row, "triangle-down", color, run))
             if dropped.any():
+                kinds["≤0"] = None
                 dropped_total += int(dropped.sum())
-                data.append(_marker(name + NONPOS_SUFFIX, _thin(t.steps[dropped], options.n_points), bottom,
+                data.append(_marker(name + NONPOS_SUFFIX, _thin(t.steps[dropped], options.n_points), row,
                                     "circle-open", color, run, size=7))
     onsets = {}
     for run, div in (divergences or {}).items():
@@ -255,18 +222,27 @@ def metric_figure(
             ))
     title = f"{key} (minus reference)" if options.delta else key
     if dropped_total:
-        title += f" · {dropped_total} points ≤ 0 not on the log scale (○ at the bottom)"
+        title += f" · {dropped_total} points ≤ 0 not on the log scale (○ in the strip above)"
     xaxis = dict(title=dict(text="step"))
     if options.first is not None and options.last is not None:
         xaxis["range"] = [options.first, options.last]
+    plot_px = options.height - 75  # the plot area: the height less the title and x axis margins
+    y_domain, strip = _strip_axes(marked, list(kinds), plot_px)
+    if marked:  # a light band behind the strip, so its markers never read as data
+        shapes.append(dict(type="rect", xref="x domain", x0=0, x1=1, yref="y2 domain", y0=0, y1=1, layer="below",
+                           fillcolor="#f2f2f2", line=dict(width=0)))
+    legend_px = legend_rows([d["name"] for d in data if d.get("showlegend", True)]) * LEGEND_ROW_PX
     layout = dict(
-        title=dict(text=_text(title), font=dict(size=14)),
-        height=options.height, margin=dict(l=50, r=10, t=40, b=35),
+        title=dict(text=_text(title), font=dict(size=14), x=0, xanchor="left", xref="paper",
+                   y=1, yanchor="top", yref="container", pad=dict(t=8)),
+        height=options.height + legend_px, margin=dict(l=60, r=10, t=TITLE_PX + legend_px, b=35),
         hovermode="x", showlegend=True,
-        # At the right, where plotly.js grows the margin to fit it: below, it covered the "step" title.
-        legend=dict(orientation="v", x=1.02, xanchor="left", y=1, yanchor="top", font=dict(size=10)),
-        xaxis=xaxis, yaxis=dict(type="log" if options.log_y else "linear"),
-        yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
+        # Above the plot, left to right, its rows counted into the top margin: at the right it took 40% of
+        # a report chart's width with a scrollbar of its own; below, it covered the "step" title.
+        legend=dict(orientation="h", x=0, xanchor="left", y=1, yanchor="bottom", font=dict(size=10),
+                    traceorder="normal", itemwidth=30),
+        xaxis=xaxis, yaxis=dict(type="log" if options.log_y else "linear", domain=y_domain),
+        yaxis2=strip,
         template=_template(),
     )
     if shapes:
@@ -274,6 +250,35 @@ def metric_figure(
     # Built from plain dicts in one go without plotly's per-property validation (the same JSON, pinned
     # by tests/app/plots/test_figures.py against plotly's validated figure).
     return figure_from_dicts(data, layout)
+
+
+def _strip_axes(rows: int, kinds: Sequence[str], plot_px: float) -> tuple[list[float], dict]:
+    """The data axis' domain and the strip's axis (y2): a band at the top of the plot area, one row per
+    run with non-finite points, first run on top, labelled by the kinds it holds. Outside the data axis,
+    its markers never stretch the data's autoscale. No such run: the data axis takes the whole height
+    and y2 is a hidden axis over it with nothing on it."""
+    if not rows:
+        return [0.0, 1.0], dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True)
+    band = min(STRIP_MAX, (rows * STRIP_ROW_PX + 4) / plot_px)
+    gap = STRIP_GAP_PX / plot_px
+    axis = dict(domain=[1.0 - band, 1.0], anchor="x", range=[rows - 0.5, -0.5], fixedrange=True, showgrid=False,
+                zeroline=False, showline=False, tickmode="array", tickvals=[(rows - 1) / 2], ticks="",
+                ticktext=["/".join(kinds)], tickfont=dict(size=10, color="#666"))
+    return [0.0, max(0.2, 1.0 - band - gap)], axis
+
+
+def legend_rows(names: Sequence[str], width: float = LEGEND_WIDTH_PX) -> int:
+    """Rows a horizontal legend of `names` (plotly text: escaped) takes in `width` pixels, filled left
+    to right: an entry is its 40 px symbol and gap and about 6 px a character (10 px font)."""
+    import html
+
+    rows, used = 1, 0.0
+    for name in names:
+        entry = 40 + 6 * len(html.unescape(name))
+        if used and used + entry > width:
+            rows, used = rows + 1, 0.0
+        used += entry
+    return rows
 
 
 def _compact(values: np.ndarray) -> np.ndarray:

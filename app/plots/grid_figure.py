@@ -6,12 +6,12 @@ plotly figure, two a row: what the Compare page draws.
 One figure instead of one chart per metric: plotly.js then builds one layout, one legend and one
 modebar, and drawing 8 metrics took about a third less main-thread CPU in Chromium (0.8 s against
 1.2 s for 8 charts of 10 runs, measured on a 2-core machine). Each panel keeps its figure's traces,
-axes (type, range), vertical lines and hidden [0, 1] marker axis (`yaxis2`, now an axis overlaying
-that panel's own). A panel's title is an annotation above it whose `xref` names the panel's x axis
-("x3 domain"): that is how a reader (the tests, the benchmark) finds which traces a titled panel
-holds. One legend for every panel, above them: a run's traces share its `legendgroup`, so a click
-on a run hides it everywhere, and each run (and each of its marker kinds) is listed once, from the
-first panel that draws it.
+axes (type, range), vertical lines and its strip of NaN/inf markers (`yaxis2`: a band at the top of
+the panel, or a hidden axis over it where the figure has no such marker). A panel's title is an
+annotation above it whose `xref` names the panel's x axis ("x3 domain"): that is how a reader (the
+tests, the benchmark) finds which traces a titled panel holds. One legend for every panel, above
+them: a run's traces share its `legendgroup`, so a click on a run hides it everywhere, and each run
+(and each of its marker kinds) is listed once, from the first panel that draws it.
 
 The margins are fixed (`autoexpand` off), with room for the legend's estimated rows: a legend or tick
 labels pushing a margin make plotly.js lay out and draw the whole figure a second time (0.5 s of the
@@ -63,9 +63,13 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
         refs = {"x": f"x{suffix}", "y": f"y{suffix}", "y2": f"y{marker_suffix}"}
         own = fig.get("layout", {})
         layout[f"xaxis{suffix}"] = dict(own.get("xaxis", {}), domain=[x0, x0 + width], anchor=refs["y"])
-        layout[f"yaxis{suffix}"] = dict(own.get("yaxis", {}), domain=y_domain, anchor=refs["x"])
-        layout[f"yaxis{marker_suffix}"] = dict(own.get("yaxis2", {}), domain=y_domain, anchor=refs["x"],
-                                               overlaying=refs["y"])
+        layout[f"yaxis{suffix}"] = dict(own.get("yaxis", {}), anchor=refs["x"],
+                                        domain=_within(own.get("yaxis", {}).get("domain"), y_domain))
+        own_strip = own.get("yaxis2", {})
+        strip = dict(own_strip, anchor=refs["x"], domain=_within(own_strip.get("domain"), y_domain))
+        if "overlaying" in strip or not own_strip:  # a hidden axis over the data (no strip)
+            strip["overlaying"] = refs["y"]
+        layout[f"yaxis{marker_suffix}"] = strip
         for trace in fig.get("data", []):
             trace = dict(trace, xaxis=refs["x"], yaxis=refs.get(trace.get("yaxis", "y"), refs["y"]))
             if trace.get("showlegend", True) is not False:  # a run's line and its markers: each once
@@ -79,7 +83,8 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
         title = own.get("title", {})
         layout["annotations"].append(dict(
             text=title.get("text", ""), font=title.get("font", {}), showarrow=False,
-            xref=f"{refs['x']} domain", x=0, xanchor="left", yref=f"{refs['y']} domain", y=1, yanchor="bottom",
+            xref=f"{refs['x']} domain", x=0, xanchor="left", yanchor="bottom", y=1,
+            yref=f"{refs['y'] if 'overlaying' in strip else refs['y2']} domain",  # over the strip, if any
             yshift=6))
     legend_px = _legend_rows([t["name"] for t in data if t.get("showlegend")]) * LEGEND_ROW_PX + 4
     layout.update(height=height + legend_px + MARGIN["b"], margin=dict(MARGIN, t=legend_px, autoexpand=False))
@@ -96,6 +101,13 @@ def _legend_rows(names: Sequence[str]) -> int:
             rows, used = rows + 1, 0.0
         used += entry
     return rows
+
+
+def _within(domain, panel: Sequence[float]) -> list[float]:
+    """A figure's axis `domain` (fractions of its plot area; None: all of it) as part of `panel`'s."""
+    lo, hi = panel
+    a, b = domain or (0.0, 1.0)
+    return [lo + a * (hi - lo), lo + b * (hi - lo)]
 
 
 def _ref(ref: str, refs: Mapping[str, str]) -> str:

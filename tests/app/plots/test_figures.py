@@ -58,9 +58,9 @@ def test_every_nonfinite_point_is_a_marker_and_the_line_keeps_every_spike():
     assert np.asarray(by_name["r NaN"].x).tolist() == [10, 20_000, 99_998]
     assert np.asarray(by_name["r +inf"].x).tolist() == [30_000]
     assert np.asarray(by_name["r -inf"].x).tolist() == [40_000]
-    # markers sit on the hidden [0, 1] axis: NaN and +inf at the top edge, -inf at the bottom
-    assert by_name["r NaN"].yaxis == "y2" and _y(by_name["r NaN"]).tolist() == [1.0, 1.0, 1.0]
-    assert _y(by_name["r -inf"]).tolist() == [0.0]
+    # markers sit in the strip above the plot (y2), the run's row 0, whatever their kind
+    assert by_name["r NaN"].yaxis == "y2" and _y(by_name["r NaN"]).tolist() == [0.0, 0.0, 0.0]
+    assert _y(by_name["r -inf"]).tolist() == [0.0] and by_name["r -inf"].yaxis == "y2"
 
 
 def test_delta_mode_subtracts_the_mean_of_the_references_step_by_step():
@@ -101,7 +101,7 @@ def test_step_range_log_scale_and_smoothing():
     assert np.asarray(line.x)[np.isnan(y)].tolist() == [100]
     assert fig.layout.yaxis.type == "log"
     assert [tr.name for tr in fig.data] == ["r", "r NaN", "r ≤ 0"]
-    # the two dropped points are marked at the bottom of the panel and counted in the title
+    # the two dropped points are marked in the strip (the run's row) and counted in the title
     below = next(tr for tr in fig.data if tr.name == "r ≤ 0")
     assert np.asarray(below.x).tolist() == [100, 101] and _y(below).tolist() == [0.0, 0.0]
     assert "2 points ≤ 0 not on the log scale" in fig.layout.title.text
@@ -124,8 +124,10 @@ def test_a_run_keeps_its_colour_whatever_else_is_picked():
     four = run_colors(["a", "d", "b", "c"], ["a"], order=order)
     assert two["c"] == four["c"] == PALETTE[2] and four["d"] == PALETTE[3] and four["b"] == PALETTE[1]
     assert two["a"] == four["a"] == REFERENCE_COLOR
-    # A run outside the order: a stable hash of its id, the same in any list
-    assert run_colors(["x", "c"], order=order)["x"] == run_colors(["b", "x"], order=order)["x"]
+    # A run outside the order: a stable hash of its id (x's is PALETTE[2]), the same in any list where
+    # no run before it has that colour; beside c (PALETTE[2]) it takes the next free one, so the two differ
+    assert run_colors(["x", "d"], order=order)["x"] == run_colors(["b", "x"], order=order)["x"] == PALETTE[2]
+    assert run_colors(["x", "c"], order=order) == {"x": PALETTE[3], "c": PALETTE[2]}
 
 
 def test_two_runs_nan_at_the_same_steps_both_show_with_legend_entries():
@@ -133,8 +135,9 @@ def test_two_runs_nan_at_the_same_steps_both_show_with_legend_entries():
     b = _trace("b", [1.0, np.nan, np.nan, np.inf], key="grad/norm")
     fig = metric_figure("grad/norm", {"a": a, "b": b})
     by_name = {t.name: t for t in fig.data}
-    # a's NaN markers at the top edge (y 1.0), b's one offset below them (1.0 - 0.04), each in its colour
-    assert _y(by_name["a NaN"]).tolist() == [1.0, 1.0] and np.allclose(_y(by_name["b NaN"]), 0.96)
+    # a's NaN markers in the strip's first row (0), b's in the next (1), each in its colour
+    assert _y(by_name["a NaN"]).tolist() == [0.0, 0.0] and _y(by_name["b NaN"]).tolist() == [1.0, 1.0]
+    assert _y(by_name["b +inf"]).tolist() == [1.0]
     assert by_name["a NaN"].marker.color == by_name["a"].line.color != by_name["b NaN"].marker.color
     assert by_name["b NaN"].marker.color == by_name["b"].line.color
     # every marker kind is listed in the legend under its run
@@ -225,3 +228,44 @@ def test_figure_is_what_plotly_validates(options):
     assert ours == validated
     assert ours["layout"]["template"]["layout"]["plot_bgcolor"] == "white"  # plotly_white, expanded for plotly.js
     assert ours["layout"]["shapes"][0]["x0"] == divs["c"].onset_step
+
+
+def test_ten_runs_nan_markers_sit_in_a_strip_of_their_own_above_the_data():
+    """Issue 44: staggered NaN markers inside the axis squeezed grad/norm's 0-12 into its bottom third."""
+    rng = np.random.default_rng(4)
+    runs = {}
+    for i in range(10):
+        v = 12 * rng.random(200)
+        if i >= 3:
+            v[[0, 50, 120]] = np.nan
+            v[150] = np.inf if i % 2 else -np.inf
+        runs[f"r{i}"] = _trace(f"r{i}", v, key="grad/norm")
+    fig = metric_figure("grad/norm", runs, reference_ids=["r0", "r1", "r2"])
+    lay = fig.layout
+    data_lo, data_hi = lay.yaxis.domain
+    strip_lo, strip_hi = lay.yaxis2.domain
+    # the strip is its own band above the data axis, not an axis laid over it
+    assert data_lo == 0.0 and data_hi < strip_lo < strip_hi == 1.0 and lay.yaxis2.overlaying is None
+    assert strip_hi - strip_lo <= 0.4 and lay.yaxis2.ticktext == ("NaN/+inf/-inf",)
+    markers = [t for t in fig.data if t.mode == "markers" and not t.name.startswith(DIVERGES_PREFIX)]
+    lines = [t for t in fig.data if t.mode == "lines"]
+    assert len(markers) == 7 * 2 and all(t.yaxis == "y2" for t in markers)
+    assert all(t.yaxis in (None, "y") for t in lines)  # the data axis autoscales over the lines alone
+    # one row per run with markers, in the strip's range (first run on top), none at a data value
+    rows = sorted({float(_y(t)[0]) for t in markers})
+    assert rows == [float(i) for i in range(7)] and lay.yaxis2.range == (6.5, -0.5)
+    for t in markers:
+        assert len(set(_y(t).tolist())) == 1
+    # a light band behind the strip
+    assert [s.yref for s in lay.shapes if s.type == "rect"] == ["y2 domain"]
+
+
+def test_no_nonfinite_point_no_strip_and_the_legend_above_the_plot():
+    fig = metric_figure("loss", {f"r{i}": _trace(f"r{i}", np.ones(20)) for i in range(10)}, reference_ids=["r0"],
+                        labels={f"r{i}": f"run {i} with a longer name" for i in range(10)})
+    lay = fig.layout
+    assert lay.yaxis.domain == (0.0, 1.0) and lay.yaxis2.overlaying == "y" and lay.yaxis2.visible is False
+    # the legend: horizontal above the plot, its rows counted into the top margin and the height
+    assert (lay.legend.orientation, lay.legend.yanchor, lay.legend.y) == ("h", "bottom", 1)
+    one = metric_figure("loss", {"r0": _trace("r0", np.ones(20))})
+    assert lay.margin.t > one.layout.margin.t and lay.height - one.layout.height == lay.margin.t - one.layout.margin.t

@@ -46,9 +46,18 @@ def test_panels_two_a_row_keep_their_traces_markers_onset_lines_and_titles():
     lay = fig["layout"]
     # 3 panels: x/y, x2/y2 on the first row, x3/y3 below on the left; markers on y4..y6 over them
     assert lay["xaxis"]["domain"][1] < lay["xaxis2"]["domain"][0] and lay["xaxis3"]["domain"] == lay["xaxis"]["domain"]
-    assert lay["yaxis"]["domain"] == lay["yaxis2"]["domain"] and lay["yaxis3"]["domain"][1] < lay["yaxis"]["domain"][0]
-    assert lay["yaxis5"]["overlaying"] == "y2" and lay["yaxis5"]["range"] == [0, 1] and not lay["yaxis5"]["visible"]
-    assert lay["yaxis5"]["domain"] == lay["yaxis2"]["domain"]
+    assert lay["yaxis"]["domain"][0] == lay["yaxis2"]["domain"][0]
+    assert lay["yaxis3"]["domain"][1] < lay["yaxis"]["domain"][0]
+    # grad/norm (NaN at step 3): its strip y5 a band at the top of the panel, above its data axis y2;
+    # ratio (no NaN): a hidden axis y4 over its data axis, which takes the panel's whole height
+    assert "overlaying" not in lay["yaxis5"] and lay["yaxis5"]["domain"][1] == pytest.approx(lay["yaxis"]["domain"][1])
+    assert lay["yaxis2"]["domain"][0] == pytest.approx(lay["yaxis"]["domain"][0])
+    assert lay["yaxis2"]["domain"][1] < lay["yaxis5"]["domain"][0]
+    assert lay["yaxis4"]["overlaying"] == "y" and not lay["yaxis4"]["visible"]
+    assert lay["yaxis4"]["domain"] == lay["yaxis"]["domain"]
+    # each panel's title sits over its top band: the strip where there is one
+    titles = {a["text"]: a["yref"] for a in lay["annotations"]}
+    assert titles == {"policy/ratio_mean": "y domain", "grad/norm": "y5 domain", "loss": "y3 domain"}
     # a reader finds each panel's traces by the title over its x axis: the same traces as the figure alone
     by_panel = panels(fig)
     assert list(by_panel) == ["policy/ratio_mean", "grad/norm", "loss"]
@@ -58,7 +67,9 @@ def test_panels_two_a_row_keep_their_traces_markers_onset_lines_and_titles():
     assert grad["cand NaN"]["yaxis"] == "y5" and grad["cand NaN"]["x"].tolist() == [3]  # on its panel's marker axis
     assert grad["cand"]["yaxis"] == "y2" and html.escape(EVIL, quote=False) in grad  # names stay escaped text
     # the onset: a dashed line over the whole height of its own panel, and the diamond
-    [line] = lay["shapes"]
+    [line] = [s for s in lay["shapes"] if s["type"] == "line"]
+    [band] = [s for s in lay["shapes"] if s["type"] == "rect"]  # behind grad/norm's strip
+    assert (band["xref"], band["yref"]) == ("x2 domain", "y5 domain")
     assert (line["xref"], line["yref"], line["x0"]) == ("x", "y domain", 5)
     assert {t["name"]: t for t in by_panel["policy/ratio_mean"]}["diverges: cand"]["x"].tolist() == [5]
 
