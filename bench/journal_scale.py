@@ -265,9 +265,11 @@ def child_outage(args) -> dict:
     t_end = time.monotonic()
     rss = _rss_mb()  # before the summaries' sorts copy the samples
     stats = w.close(timeout=60)
+    print(f"invariant: {stats.ledger()}", flush=True)  # logged = stored + journaled + lost, balance 0
     out = {"steps": n, "points": n * len(KEYS), "outage_steps": up_at - down_at, "outage_s": t_up - t_down,
            "stored": store.points, "distinct": store.distinct(), "duplicated": store.duplicated,
            "flushed": flushed, "undelivered": stats.undelivered, "lost": stats.lost, "refused": stats.refused,
+           "balance": stats.balance(), "ledger": stats.ledger(),
            "spilled": stats.spilled, "send_failures": stats.send_failures,
            "drained_s": (t_drained - t_up) if drained_step >= 0 else None, "drained_step": drained_step,
            "seconds": t_end - t_start, **peak, "journal_end_bytes": _dir_bytes(spill),
@@ -407,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {o['distinct']:,} of {o['points']:,} stored ({o['duplicated']} duplicated); journal peak "
                   f"{_mb(o['journal_peak_bytes'])} at a backlog of {o['backlog_at_journal_peak']:,}; writer RSS "
                   f"{o['rss_peak_mb']:.0f} MB; log call {_us(o['log_call'])}; drained {o['drained_s']} s after", flush=True)
+            print(f"  invariant: {o['ledger']}", flush=True)  # logged = stored + journaled + lost; balance 0
         else:
             versions = ("after",) if kind == "after" else ("before", "after")
             if "before" in versions:

@@ -120,7 +120,10 @@ def child(kind: str, uri: str, run_id: str, folder: Path, rate: float, close_tim
         if kind == "rldiag":
             st = writer.close(timeout=close_timeout)
             res["writer_stats"] = {"delivered": st.delivered, "undelivered": st.undelivered,
-                                   "send_failures": st.send_failures, "last_error": st.last_error}
+                                   "send_failures": st.send_failures, "last_error": st.last_error,
+                                   "journaled": st.journaled, "lost": st.lost, "balance": st.balance(),
+                                   "ledger": st.ledger()}
+            print(f"[rldiag] invariant: {st.ledger()}", flush=True)  # logged = stored + journaled + lost
             res["journal_left"] = (folder / "spill" / f"{run_id}.jsonl").exists()
         elif kind == "mlflow":
             mlflow.flush_async_logging()
@@ -230,6 +233,8 @@ def _one_variant(v: str, server: MlflowServer, exp: str, folder: Path, repo: Pat
                      "up_at_s": t_up - t_go, "stop_at_s": t_stop - t_go, "child_done_after_stop_s": t_done - t_stop}
     print(f"[{v}] {r['lost']} of {r['expected_points']} points lost, {r['duplicated']} duplicated; "
           f"missing steps {r['missing_step_ranges'][:5]}", flush=True)
+    if "ledger" in (r.get("writer_stats") or {}):  # the writer's own count: logged = stored + journaled + lost
+        print(f"[{v}] invariant: {r['writer_stats']['ledger']}", flush=True)
     return r
 
 

@@ -16,6 +16,7 @@ def test_outage_run_delivers_every_point_once_and_the_journal_follows_the_backlo
     assert out["points"] == 100_000 and out["outage_steps"] == 400
     assert out["distinct"] == 100_000 and out["duplicated"] == 0 and out["stored"] == 100_000
     assert out["undelivered"] == 0 and out["lost"] == 0 and out["send_failures"] > 0
+    assert out["balance"] == 0 and out["ledger"].startswith("logged 100000 = stored 100000 + journaled 0 + 0 lost")
     assert out["peak_backlog"] >= 9_000
     assert out["journal_excess_max_bytes"] <= SEGMENT + ENVELOPE * out["journal_peak_bytes"]
     assert not list((tmp_path / "spill").glob("*.jsonl"))  # all delivered: no segment left
