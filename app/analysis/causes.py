@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rldiag.app.analysis import causes_settings as S
+from rldiag.app.analysis import verdicts as V
 from rldiag.app.analysis.causes_signatures import (
     SIGNATURE_KEYS,
     NonFiniteSignature,
@@ -32,8 +33,7 @@ from rldiag.app.analysis.causes_signatures import (
 )
 from rldiag.app.data.histories import Histories
 
-SEED_PIPELINERL = "PipelineRL's vLLM V0 -> V1 migration (shared/seeds/pipelinerl-vllm-v0-v1-migration.txt)"
-SEED_TRL = "the TRL distillation NaN fix (shared/seeds/trl-distillation-nan-pr.txt)"
+SEED_PIPELINERL, SEED_TRL = V.SOURCE_PIPELINERL, V.SOURCE_TRL  # cited by what they say, never by a path
 VLLM_LOGPROBS = "vLLM docs: LLM(logprobs_mode=...), raw_logprobs is the V1 default"
 VLLM_PREFIX = "vLLM docs: automatic prefix caching, LLM.reset_prefix_cache()"
 HF_FILTER = "transformers docs: TrainingArguments.logging_nan_inf_filter (on by default)"
@@ -135,7 +135,7 @@ def _semantics(r: _Run) -> list[Cause]:
         return []
     signed = f", signed mean {p.signed:+.3g} (one way)" if p.signed is not None else ""
     ratio = f"ratio mean {p.ratio:.4g} {_step0(p)}; " if p.ratio is not None else f"{_step0(p)}: "
-    sig = (f"{ratio}mismatch mean {p.mean:.3g}{signed}, parity is below {p.tol:.0e}",)
+    sig = (f"{ratio}{V.parity_text(p.mean, p.tol)}{signed}",)
     mode = r.setting("engine.logprobs_mode")
     samp = S.sampling(r.params)
     samp_text = ", ".join(f"{k} {_g(v)}" for k, v in samp.items())
@@ -171,8 +171,8 @@ def _precision(r: _Run) -> list[Cause]:
         return []
     signed = f", signed mean {p.signed:+.2g} (symmetric)" if p.signed is not None else ""
     later = f"; median {p.later_median:.3g} after" if math.isfinite(p.later_median) else ""
-    sig = (f"mismatch mean {p.mean:.3g} {_step0(p)}{signed}, parity is below {p.tol:.0e}{later}",)
-    source = f"{SEED_PIPELINERL} (the fp32 lm_head ablation)"
+    sig = (f"{_step0(p)}: {V.parity_text(p.mean, p.tol)}{signed}{later}",)
+    source = SEED_PIPELINERL
     if not r.fingerprint:
         return [Cause("numerics", "engine and trainer numerics differ (precision, lm_head, kernels)", sig, (),
                       "run the engine in the trainer's dtype, the lm_head in float32 at least", source,
@@ -213,8 +213,8 @@ def _after_updates(r: _Run) -> list[Cause]:
     p = r.parity
     if p is None or not p.breaks_after_updates:
         return []
-    sig = ((f"mismatch mean {p.mean:.2g} {_step0(p)} (parity, below {p.tol:.0e}), then {p.later_median:.3g} "
-            f"(median) from step {p.later_first_over} on: {p.later_over} of {p.later_steps} later steps out"),)
+    sig = ((f"{_step0(p)}: {V.parity_text(p.mean, p.tol)}; then {p.later_median:.3g} (median) from step "
+            f"{p.later_first_over} on: {p.later_over} of {p.later_steps} later steps above the tolerance"),)
     out = []
     if not r.fingerprint:
         return [Cause("stale_weights", "stale KV or weights after weight updates", sig, (),
@@ -300,7 +300,8 @@ def _nan_filter(r: _Run) -> list[Cause]:
         return []
     settings = (f"{flag[0]}={flag[1]}",) if flag else ()
     return [Cause("nan_filter", "a trainer's NaN filter hides a NaN loss", tuple(sig), settings,
-                  f"the logged loss is not the real one from step {nf.steps[0]}: set logging_nan_inf_filter=False "
+                  f"the logged loss is not the real one from step {(nf.loss_zero or nf.loss_finite or nf.steps)[0]}: "
+                  "set logging_nan_inf_filter=False "
                   "or log with rldiag's RldiagCallback (it records the real loss), then find where the NaN enters "
                   "(the NaN events page names the parameters)", HF_FILTER,
                   hint="" if flag else "metrics only: the run did not log logging_nan_inf_filter", step=nf.steps[0])]
@@ -315,12 +316,12 @@ def _optimizer(r: _Run) -> list[Cause]:
     if not opt:
         return []
     deps = departures_after_updates(r.h, r.run, r.refs)
-    sig = [f"{d.key} leaves the reference seeds' range at step {d.step} ({_g(d.value)} vs {_g(d.low)} to "
-           f"{_g(d.high)}: their range widened by twice their spread or step-to-step wiggle)" for d in deps[:3]]
+    sig = [f"{d.key} leaves the reference seeds' range at step {d.step} ({V.range_text(d.key, d.value, d.low, d.high)}"
+           ": their range widened by twice their spread or step-to-step wiggle)" for d in deps[:3]]
     sig += [t for t in r.departures if not any(t.startswith(d.key + " ") for d in deps)][:2]
     if not sig:
         return []
-    lead = (f"parity holds {_step0(p)} (mismatch mean {p.mean:.2g})" if p is not None
+    lead = (f"{_step0(p)}: {V.parity_text(p.mean, p.tol)}" if p is not None
             else "engine parity not measured (no mismatch metric)")
     r.cited.update(opt)
     step = deps[0].step if deps else (first_step(r.h, r.run) or 0) + 1
@@ -357,21 +358,20 @@ def likely_causes(histories: Histories, configs: Mapping[str, object], reference
         try:
             r = _read(histories, cand, refs, mine, ref_params, by_summary.get(cand), (alerts or {}).get(cand, ()))
         except Exception as e:  # noqa: BLE001 - one candidate's unreadable signatures never stop a report
-            out.append(RunCauses(cand, (), failed=(_failed("reading the metric signatures", e),)))
+            out.append(RunCauses(cand, (), failed=(V.check_failed("reading the metric signatures", e),)))
             continue
         causes, failed = [], []
         for rule in RULES:
             try:
                 causes += rule(r)
             except Exception as e:  # noqa: BLE001 - one check's bug never hides the others or the report
-                failed.append(_failed(rule.__name__.strip("_").replace("_", " "), e))
+                failed.append(V.check_failed(rule.__name__.strip("_").replace("_", " "), e))
         causes.sort(key=lambda c: (bool(c.hint), c.step))  # confirmed by a setting first, then earliest
         also = S.also_differs(mine, r.diffs, r.cited)
         notes = []
         if not causes:
             if not r.diffs:
-                notes.append("its params differ from the references' only in seed" if ref_params and mine
-                             else "no params to compare")
+                notes.append(V.same_params_note(mine, ref_params) if ref_params and mine else "no params to compare")
             if r.nonfinite is not None:
                 notes.append(f"non-finite gradients from step {r.nonfinite.steps[0]}: no known signature fits; "
                              "the NaN events page names the parameters")
@@ -388,13 +388,10 @@ def _read(h: Histories, cand: str, refs: tuple[str, ...], mine: Mapping[str, str
     start = first_step(h, cand)
     found = [d for d in getattr(summary, "departures", ())
              if d.kind != "nonfinite" and start is not None and d.onset_step > start]
-    departures = tuple(f"{d.key} leaves the reference band at step {d.onset_step} (delta {d.delta:+.3g})"
-                       for d in found)
+    sizes = [d.size if d.kind == "variance" else  # in noise terms, as the tables say it
+             V.departure_size(d.kind, d.delta, d.delta_sigma, d.candidate_level, d.reference_level) for d in found]
+    departures = tuple(f"{d.key} leaves the reference band at step {d.onset_step} ({size})"
+                       for d, size in zip(found, sizes))
     return _Run(h, cand, refs, mine, ref_params, diffs, parity(h, cand, refs), nonfinite_signature(h, cand),
                 departures, tuple(a for a in alerts if isinstance(a, Mapping)))
 
-
-def _failed(check: str, e: Exception) -> str:
-    """ "cause check failed: padding (TypeError: ...)", the error's first line only."""
-    first = (str(e).strip().splitlines() or [""])[0][:200]
-    return f"cause check failed: {check} ({type(e).__name__}{': ' + first if first else ''})"

@@ -97,6 +97,8 @@ def summary_line(s: CandidateSummary, label: str) -> str:
             how = f"non-finite from step {first.first_nonfinite_step}"
         elif first.kind == "zero_rate":
             how = zero_rate_text(first.candidate_level, first.reference_level)
+        elif first.kind == "variance":  # in noise terms, never a level's delta
+            how += ", " + first.size
         elif pd.notna(first.delta):
             how += ", " + size_text(first.candidate_level, first.reference_level, first.delta_sigma)
         more = f"; {len(s.departures)} metrics in all" if len(s.departures) > 1 else ""

@@ -225,6 +225,8 @@ def departure_text(row: dict) -> str:
         size = "non-finite where the references are finite"
     elif row["kind"] == "zero_rate":
         size = zero_rate_text(row["candidate_level"], row["reference_level"])
+    elif row["kind"] == "variance":  # in noise terms, as the tables say it, never a level's delta
+        size = row.get("size") or "noise larger than the reference's"
     else:
         size = f"delta {fmt_stat(row['delta'], 3)}: " + size_text(row.get("candidate_level", float("nan")),
                                                                    row.get("reference_level", float("nan")),

@@ -62,7 +62,7 @@ def test_the_evidence_is_the_stored_step0_numbers(judged, parity_store):
     assert "the lm_head already runs float32 (engine.lm_head_dtype)" in head.settings
     assert "lm_head in float32" in judged["bf16-engine"].first.fix
     lr = judged["lr-x10"].first
-    assert lr.signature[0].startswith("parity holds at step 0, before any update")
+    assert lr.signature[0].startswith("at step 0, before any update: at parity (mismatch mean")
     assert "loop.lr 0.01 vs 0.001" in lr.settings
 
 

@@ -125,7 +125,8 @@ def test_a_symmetric_step0_mismatch_is_precision_named_by_the_dtype_that_differs
         store_uri, [(V0, parity_run())], [({**V0, "engine.dtype": engine, "engine.lm_head_dtype": head}, noisy)]
     )
     assert [c.id for c in rc.causes] == [cause]
-    assert "mismatch mean 0.003 at step 0, before any update, signed mean +0.0002 (symmetric)" in rc.line()
+    assert ("at step 0, before any update: mismatch mean 0.003, not at parity (tolerance 1e-04), signed mean +0.0002 "
+            "(symmetric)") in rc.line()
     assert fix in rc.first.fix
 
 
@@ -136,7 +137,8 @@ def test_prefix_cache_parity_at_step0_then_mismatch_after_the_first_update(store
     stale_rc, reset_rc = judge(store_uri, [(V0, parity_run())], [(cache, stale), (cache, parity_run())])
     assert [c.id for c in stale_rc.causes] == ["prefix_cache"]
     assert stale_rc.first.step == 1
-    assert "then 0.005 (median) from step 1 on: 3 of 3 later steps out" in stale_rc.line()
+    assert ("at step 0, before any update: at parity (mismatch mean 2e-07, within the 1e-04 tolerance); then 0.005 "
+            "(median) from step 1 on: 3 of 3 later steps above the tolerance") in stale_rc.line()
     assert "engine.enable_prefix_caching True vs False" in stale_rc.line()
     # the control: the same setting with parity at every step (cache reset on every push): no cause,
     # the setting listed as differing without a signature of its own
@@ -173,7 +175,8 @@ def test_learning_rate_after_parity_is_the_optimizer_cause(store_uri):
     refs, fast = _entropy_runs([3.0, 2.7, 2.4, 2.1, 1.8])
     (rc,) = judge(store_uri, [(V0, r) for r in refs], [({**V0, "loop.lr": "0.01"}, fast)])
     assert [c.id for c in rc.causes] == ["optimizer"]
-    assert rc.first.signature[0] == "parity holds at step 0, before any update (mismatch mean 2e-07)"
+    assert rc.first.signature[0] == (
+        "at step 0, before any update: at parity (mismatch mean 2e-07, within the 1e-04 tolerance)")
     assert rc.first.signature[1].startswith(
         "policy/entropy leaves the reference seeds' range at step 1 (2.7 vs 2.93 to 3.02"
     )
@@ -214,7 +217,7 @@ def test_padding_needs_nan_from_the_first_step_with_a_finite_loss_and_more_than_
         assert "mask padding before the divergence math" in rc.first.fix
     else:
         assert rc.notes == (
-            "its params differ from the references' only in seed",
+            "its params equal the references' (it logged no seed)",
             ("non-finite gradients from step 1: no known signature fits; the NaN events page names the parameters"),
         )
 

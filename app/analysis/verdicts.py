@@ -1,0 +1,93 @@
+"""Each fact of a verdict worded once: the likely causes, the report and the dashboard use these.
+
+Terms, as used here and in every product:
+- parity: the engine's and the trainer's logprobs agree within the tolerance (`parity_text`); said only
+  of a run at parity, never of the tolerance alone;
+- range: the reference seeds' min-max at a step, widened (`range_text`); never below 0 for a metric
+  that cannot be negative (`NON_NEGATIVE`);
+- band: the divergence detector's noise band around the references;
+- a departure's size: in metric units for a level, in noise terms for a variance (`departure_size`).
+Sources are cited by what they say, never by a file path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from rldiag.collectors import keys as K
+
+SOURCE_PIPELINERL = ("PipelineRL's vLLM V0 -> V1 migration: V1 matched V0 only with processed logprobs "
+                     "(logprobs-mode=processed_logprobs), no prefix caching or async scheduling, synced weights and "
+                     "an fp32 lm_head")
+SOURCE_TRL = ("the TRL distillation fix 'reverse-KL server path NaN on variable completion length': with batch x "
+              "accumulation > 1, -inf padding reached backward (finite loss, grad_norm NaN from step 1); the fix masks "
+              "it as the forward-KL path does")
+# Metrics that cannot be negative: a rate, an entropy, a norm, a mean |delta logprob|, a count.
+NON_NEGATIVE = frozenset({K.CLIP_RATE, K.CLIP_ACTIVE_RATE, K.CLIP_RATE_SEQ, K.ENTROPY, K.GRAD_NORM,
+                          K.MISMATCH_LOGPROB_MEAN, K.MISMATCH_LOGPROB_MAX, K.BATCH_TOKENS, K.TRL_CLIPPED_RATIO})
+_SEED = ("seed",)
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def range_text(key: str, value: float, low: float, high: float) -> str:
+    """ "0.3398 vs 0 to 0.02344": the value against the range, the low end at 0 for a NON_NEGATIVE metric."""
+    if K.canonical_key(key) in NON_NEGATIVE:
+        low = max(low, 0.0)
+    return f"{_g(value)} vs {_g(low)} to {_g(high)}"
+
+
+def parity_text(mean: float, tol: float) -> str:
+    """ "at parity (mismatch mean 2e-07, within the 1e-04 tolerance)" or "mismatch mean 0.498, not at
+    parity (tolerance 1e-04)": a run is said at parity only where it is."""
+    if math.isfinite(mean) and mean <= tol:
+        return f"at parity (mismatch mean {mean:.2g}, within the {tol:.0e} tolerance)"
+    return f"mismatch mean {mean:.3g}, not at parity (tolerance {tol:.0e})"
+
+
+def departure_size(kind: str | None, delta: float, delta_sigma: float, candidate: float = math.nan,
+                   reference: float = math.nan) -> str:
+    """A departure's size in its own terms: "noise x2.9 the reference's" (variance), "delta +0.26" (level,
+    with "1.263 vs 1 (+26%)" where both levels are known), "non-finite where the references are finite"."""
+    if kind == "nonfinite":
+        return "non-finite where the references are finite"
+    if kind == "variance":
+        return (f"noise x{delta_sigma:.1f} the reference's" if math.isfinite(delta_sigma)
+                else "noise larger than the reference's")
+    if math.isfinite(candidate) and math.isfinite(reference):
+        rel = (candidate - reference) / abs(reference) if reference else math.nan
+        pct = f" ({rel:+.0%})" if math.isfinite(rel) and abs(rel) < 100 else ""
+        return f"{_g(candidate)} vs {_g(reference)}{pct}"
+    return f"delta {delta:+.3g}" if math.isfinite(delta) else "size unknown"
+
+
+def _seed(params: Mapping[str, str]) -> str | None:
+    for k, v in params.items():
+        if k.rsplit(".", 1)[-1].lower() in _SEED:
+            return v
+    return None
+
+
+def same_params_note(params: Mapping[str, str], references: Sequence[Mapping[str, str]]) -> str:
+    """Why no setting explains a candidate whose params equal its references' but for run-specific ones:
+    "its params differ from the references' only in seed" only where the seeds differ."""
+    mine, theirs = _seed(params), {_seed(r) for r in references} - {None}
+    if mine is not None and theirs and mine not in theirs:
+        return "its params differ from the references' only in seed"
+    if mine is not None and mine in theirs:
+        return f"its params equal a reference's, seed {mine} included (a rerun of the same configuration)"
+    return "its params equal the references' (it logged no seed)" if mine is None else (
+        "its params equal the references' (they logged no seed)")
+
+
+def check_failed(check: str, e: Exception) -> str:
+    """ "cause check failed: padding (TypeError: ...)", the error's first line only."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"cause check failed: {check} ({type(e).__name__}{': ' + first if first else ''})"
+
+
+__all__ = ["NON_NEGATIVE", "SOURCE_PIPELINERL", "SOURCE_TRL", "check_failed", "departure_size", "parity_text",
+           "range_text", "same_params_note"]
