@@ -31,8 +31,9 @@ def render() -> None:
     else:
         st.caption(f"{n_diff} params and tags differ" + (f", then {n_same} identical rows (grey)" if show_all else
                    " (identical rows hidden)") + ". Engine-parity knobs first: an unpinned runtime default "
-                   "(logprobs mode, prefix caching, async scheduling, dtypes) is a silent difference. Runs that "
-                   "differ from the reference on most rows come first; their differing cells are marked.")
+                   "(logprobs mode, prefix caching, async scheduling, dtypes) is a silent difference. A cell is "
+                   "marked where it differs from the value every reference shares (a row whose references "
+                   "disagree says so and marks none); the runs that differ most come first.")
     if len(table):
         st.markdown(config_html(table, list(labels.values()), [sel.labels[r] for r in sel.reference_ids]),
                     unsafe_allow_html=True)

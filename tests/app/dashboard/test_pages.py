@@ -225,6 +225,7 @@ def _config_rows(at) -> dict:
     import re
 
     [page] = [m.value for m in at.markdown if "rldiag-config" in m.value]
+    page = re.sub(r"<wbr>|</?span[^>]*>(?=\(reference\))|(?<=\(reference\))</span>", "", page)  # text as read
     heads = [html_mod.unescape(h) for h in re.findall(r"<th[^>]*>(.*?)</th>", page)][1:]
     rows, classes = [], []
     for cls, body in re.findall(r'<tr class="(\w+)">(.*?)</tr>', page):
