@@ -7,7 +7,9 @@ The runs are written once by torch's SummaryWriter (cached under /tmp/rldiag-ben
   every tag (every point in memory; what TensorBoard itself does, without its server);
 - rldiag's reader alone (app/importers/tensorboard.py: every scalar parsed, nothing written);
 - `rldiag import` end to end into a fresh SQLite store (read, send through rldiag's writer, stored by
-  MLflow), checked by counting the store's rows; then the same import again (nothing new to add).
+  MLflow), checked by counting the store's rows; then the same import again (nothing new to add);
+- the floor: MLflow's own `log_batch`, 1000 points a call, of the first run's points into another fresh
+  store (what any importer into MLflow pays), as points per second beside the import's.
 Ratios are against the EventAccumulator read. `--quick`: 2 runs x 10 scalars x 500 steps.
 """
 
@@ -70,6 +72,23 @@ def import_rldiag(root: Path, uri: str) -> tuple[int, list[str]]:
     return status, said
 
 
+def log_batch_floor(root: Path, uri: str) -> int:
+    """The first run's points through `MlflowClient.log_batch`, 1000 a call (values read beforehand)."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from rldiag.app.importers.tensorboard import find_runs
+
+    points = find_runs(root)[0].poll(final=True).points
+    metrics = [Metric(k, v, ts, s) for k, s, ts, v in points]
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("floor")).info.run_id
+    t = time.perf_counter()
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[i:i + 1000])
+    return len(metrics) / (time.perf_counter() - t)
+
+
 def timed(fn, *args):
     t = time.perf_counter()
     out = fn(*args)
@@ -105,12 +124,16 @@ def main(argv: list[str] | None = None) -> dict:
     with sqlite3.connect(work / "mlruns.db") as con:
         rows2 = con.execute("SELECT COUNT(*) FROM metrics").fetchone()[0]
     print(f"import again: {rows2 - rows} rows added in {t_again:.1f} s", flush=True)
+    floor = log_batch_floor(root, fresh_sqlite_db(work / "floor.db"))
+    print(f"MLflow log_batch alone (the floor): {floor:,.0f} points/s; the import reaches "
+          f"{rows / t_imp / floor:.0%} of it", flush=True)
     ok = n_ea == n_read == rows == rows2 == total and nans == a.runs and status == status2 == 0
     result = {
         "config": {"runs": a.runs, "scalars": a.scalars, "steps": a.steps, "points": total, "quick": a.quick},
         "env": env_info(),
         "event_accumulator_s": t_ea, "rldiag_reader_s": t_read, "rldiag_import_s": t_imp, "reimport_s": t_again,
         "reader_ratio": t_read / t_ea, "import_ratio": t_imp / t_ea, "import_points_per_s": rows / t_imp,
+        "log_batch_points_per_s": floor, "import_share_of_log_batch": rows / t_imp / floor,
         "rows": rows, "rows_after_reimport": rows2, "nan_rows": nans, "all_points_stored": ok,
         "import_lines": said[:3] + said2[:3],
         "summary": [summary_row(
