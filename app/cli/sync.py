@@ -61,10 +61,14 @@ def run(args: argparse.Namespace) -> int:
         note = f", {corrupt} damaged lines skipped" if corrupt else ""
         if stats.lost:
             note += f", {stats.lost} points in lines that could not be read back"
-        if stats.undelivered:
+        if stats.journaled:
             status = 1
-            print(f"{f}: delivered {stats.delivered} points, {stats.undelivered} still undelivered "
+            print(f"{f}: delivered {stats.delivered} points, {stats.journaled} still undelivered "
                   f"(last error: {stats.last_error}); the file is kept, run sync again{note}")
+        elif stats.undelivered:  # only damaged lines are left: syncing again cannot deliver them
+            status = 1
+            print(f"{f}: delivered {stats.delivered} points; the journal is kept, holding only lines that "
+                  f"cannot be read back{note}")
         else:
             print(f"{f}: delivered {stats.delivered} points; journal removed{note}")
     return status

@@ -82,3 +82,18 @@ def test_foreign_files_in_the_spill_folder_and_named_to_sync_stay_byte_identical
         assert not lock_path(*split_name(p)[:2]).exists()
     assert {p: sha(p) for p in before} == before
     assert sorted(os.listdir(spill)) == sorted(p.name for p in before)
+
+
+def test_a_journal_whose_only_batch_is_damaged_is_kept_and_said_so(sqlite_uri, tmp_path, capsys):
+    """A verified journal whose one undelivered batch cannot be read back: counted lost, and the file is
+    kept as it is (never 'fully acknowledged'); the line says syncing again cannot deliver it."""
+    run_id = open_run(sqlite_uri, experiment="foreign", run_name="damaged")[1].info.run_id
+    path = tmp_path / f"{run_id}.jsonl"
+    path.write_text(json.dumps({"rldiag_journal": 2, "run_id": run_id, "tracking_uri": sqlite_uri, "segment": 0})
+                    + '\n{"seq":0,"n":2,"m":[["x",1.0,1,0],[oops]]}\n')
+    before = sha(path)
+    assert main(["sync", str(path), "--tracking-uri", sqlite_uri]) == 1
+    out = capsys.readouterr().out
+    assert "the journal is kept, holding only lines that cannot be read back" in out
+    assert "2 points in lines that could not be read back" in out
+    assert sha(path) == before and [n for n in os.listdir(tmp_path) if n.startswith(run_id)] == [path.name]
