@@ -28,7 +28,8 @@ CSS = """
 .rldiag-config table { width: 100%; border-collapse: collapse; font-size: 13px; }
 .rldiag-config th, .rldiag-config td { border: 1px solid #ddd; padding: 3px 6px; vertical-align: top;
   word-break: normal; overflow-wrap: normal; text-align: left; }
-.rldiag-config th { background: #f5f5f5; } .rldiag-config th.name { width: 15%; } .rldiag-config .role { white-space: nowrap; font-weight: normal; }
+.rldiag-config th { background: #f5f5f5; } .rldiag-config th.name { width: 15%; }
+.rldiag-config .role { white-space: nowrap; font-weight: normal; }
 .rldiag-config td.d { background: #fff1e0; font-weight: 600; } .rldiag-config tr.same td { color: #888; }
 .rldiag-config td.v { background: #eef3fb; } .rldiag-config .varies { color: #35608f; font-size: 11px; }
 .rldiag-config .group { color: #888; font-size: 11px; }

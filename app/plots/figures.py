@@ -41,8 +41,9 @@ STRIP_ROW_PX = 10  # the non-finite strip: one row of markers per run that has a
 STRIP_GAP_PX = 8  # between the strip and the plot area below it
 STRIP_MAX = 0.4  # of the plot area's height at most (rows then come closer)
 LEGEND_ROW_PX = 20  # one row of a horizontal legend in 10 px text
-LEGEND_WIDTH_PX = 520  # the width a chart's legend rows are estimated for (a report chart is >= 560 px)
+LEGEND_WIDTH_PX = 500  # the width a chart's legend rows are estimated for (a report chart: 560 px and more)
 TITLE_PX = 30  # above the legend: the chart's title
+KINDS = ("NaN", "inf", "≤0")  # the strip's label names those it holds, in this order (short: a 60 px margin)
 
 
 @dataclass(frozen=True)
@@ -183,10 +184,10 @@ def metric_figure(
                 kinds["NaN"] = None
                 data.append(_marker(name + NAN_SUFFIX, nf.nan, row, "x", color, run))
             if len(nf.posinf):
-                kinds["+inf"] = None
+                kinds["inf"] = None
                 data.append(_marker(name + POSINF_SUFFIX, nf.posinf, row, "triangle-up", color, run))
             if len(nf.neginf):
-                kinds["-inf"] = None
+                kinds["inf"] = None
                 data.append(_marker(name + NEGINF_SUFFIX, nf.neginf, row, "triangle-down", color, run))
             if dropped.any():
                 kinds["≤0"] = None
@@ -263,22 +264,21 @@ def _strip_axes(rows: int, kinds: Sequence[str], plot_px: float) -> tuple[list[f
     gap = STRIP_GAP_PX / plot_px
     axis = dict(domain=[1.0 - band, 1.0], anchor="x", range=[rows - 0.5, -0.5], fixedrange=True, showgrid=False,
                 zeroline=False, showline=False, tickmode="array", tickvals=[(rows - 1) / 2], ticks="",
-                ticktext=["/".join(kinds)], tickfont=dict(size=10, color="#666"))
+                ticktext=["/".join(sorted(kinds, key=KINDS.index))], tickfont=dict(size=10, color="#666"))
     return [0.0, max(0.2, 1.0 - band - gap)], axis
 
 
 def legend_rows(names: Sequence[str], width: float = LEGEND_WIDTH_PX) -> int:
-    """Rows a horizontal legend of `names` (plotly text: escaped) takes in `width` pixels, filled left
-    to right: an entry is its 40 px symbol and gap and about 6 px a character (10 px font)."""
+    """Rows a horizontal legend of `names` (plotly text: escaped) takes in `width` pixels: one row where
+    all fit, else plotly.js lines them up in columns as wide as the widest entry (its 40 px symbol and
+    gap and about 6 px a character of 10 px text)."""
     import html
+    import math
 
-    rows, used = 1, 0.0
-    for name in names:
-        entry = 40 + 6 * len(html.unescape(name))
-        if used and used + entry > width:
-            rows, used = rows + 1, 0.0
-        used += entry
-    return rows
+    widths = [40 + 6 * len(html.unescape(n)) for n in names]
+    if sum(widths) <= width:
+        return 1
+    return math.ceil(len(widths) / max(1, int(width // max(widths))))
 
 
 def _compact(values: np.ndarray) -> np.ndarray:

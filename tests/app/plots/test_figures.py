@@ -246,7 +246,7 @@ def test_ten_runs_nan_markers_sit_in_a_strip_of_their_own_above_the_data():
     strip_lo, strip_hi = lay.yaxis2.domain
     # the strip is its own band above the data axis, not an axis laid over it
     assert data_lo == 0.0 and data_hi < strip_lo < strip_hi == 1.0 and lay.yaxis2.overlaying is None
-    assert strip_hi - strip_lo <= 0.4 and lay.yaxis2.ticktext == ("NaN/+inf/-inf",)
+    assert strip_hi - strip_lo <= 0.4 and lay.yaxis2.ticktext == ("NaN/inf",)
     markers = [t for t in fig.data if t.mode == "markers" and not t.name.startswith(DIVERGES_PREFIX)]
     lines = [t for t in fig.data if t.mode == "lines"]
     assert len(markers) == 7 * 2 and all(t.yaxis == "y2" for t in markers)
