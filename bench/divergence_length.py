@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"per kind: {PER_CELL_QUICK} (<= 2 minutes)")
     ap.add_argument("--held-out", action="store_true",
-                    help=f"the frozen held-out seeds {HELD_OUT_SEEDS.start}-{HELD_OUT_SEEDS.stop - 1} (never tune on them)")
+                    help=f"the frozen held-out seeds {HELD_OUT_SEEDS.start}-{HELD_OUT_SEEDS.stop - 1} "
+                         "(never tune on them)")
     ap.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
                     help="a DivergenceConfig option (repeatable); results go to divergence_length_options.json")
     args = ap.parse_args(argv)
