@@ -12,7 +12,8 @@ same steps both show), NaN an x, +inf a triangle up, -inf a triangle down, each 
 entry under its run; the strip's label names the kinds. On a log scale the values <= 0 break the
 line and are open circles in that strip, counted in the title. The legend is horizontal above the
 plot, its rows counted into the top margin. A candidate's divergence onset is a dashed vertical
-line (candidates leaving at one step split its height) and a diamond on the candidate's curve. Run
+line (candidates leaving at one step split its height) and a diamond on the candidate's curve
+(diamonds at one step nest, the first the largest, so none hides another). Run
 names are escaped: plotly shows them as text in legends and hover labels, never as HTML.
 """
 
@@ -216,7 +217,8 @@ def metric_figure(
             data.append(dict(
                 type="scatter", x=[onset], y=[y if np.isfinite(y) else None], mode="markers", name=name,
                 legendgroup=run, showlegend=True,
-                marker=dict(symbol="diamond", size=11, color=color, line=dict(width=1, color="#000")),
+                # at one step, diamonds nest (the first the largest, drawn first), so every colour shows
+                marker=dict(symbol="diamond", size=11 + 6 * (n - 1 - j), color=color, line=dict(width=1, color="#000")),
                 hovertemplate=(f"{name}<br>from step %{{x}} ({div.kind}, " + (
                     zero_rate_text(div.candidate_level, div.reference_level) if div.kind == "zero_rate"
                     else f"delta {div.delta:.3g} = {div.delta_sigma:.1f} sigma") + ")<extra></extra>"),

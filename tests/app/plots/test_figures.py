@@ -156,6 +156,8 @@ def test_onsets_at_one_step_split_the_line_and_are_in_the_legend():
     assert {s.line.color for s in fig.layout.shapes} == {fig.data[0].line.color, fig.data[1].line.color}
     assert [t.name for t in fig.data if t.showlegend and t.name.startswith(DIVERGES_PREFIX)] == [
         "diverges: c1", "diverges: c2"]
+    # their diamonds at one point nest, the first drawn the larger, so the second's colour shows inside it
+    assert [t.marker.size for t in fig.data if t.name.startswith(DIVERGES_PREFIX)] == [17, 11]
 
 
 def test_a_run_with_only_nan_values_keeps_its_line_entry():

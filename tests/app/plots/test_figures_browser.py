@@ -54,7 +54,8 @@ def test_ten_runs_markers_above_the_data_in_chromium(tmp_path):
     page_html = (f"<html><head><meta charset='utf-8'><script>{get_plotlyjs()}</script></head>"
                  f"<body style='margin:0'><div id='one' style='width:620px'></div><div id='grid'></div><script>"
                  f"const a = {pio.to_json(fig)}, b = {pio.to_json(grid)};"
-                 "Plotly.newPlot('one', a.data, a.layout); Plotly.newPlot('grid', b.data, b.layout);</script></body></html>")
+                 "Plotly.newPlot('one', a.data, a.layout); Plotly.newPlot('grid', b.data, b.layout);"
+                 "</script></body></html>")
     path = tmp_path / "ten_runs.html"
     path.write_text(page_html, encoding="utf-8")
     with chromium() as browser:
