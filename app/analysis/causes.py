@@ -371,7 +371,8 @@ def likely_causes(histories: Histories, configs: Mapping[str, object], reference
         notes = []
         if not causes:
             if not r.diffs:
-                notes.append(V.same_params_note(mine, ref_params) if ref_params and mine else "no params to compare")
+                if mine or any(ref_params):  # neither logged params: nothing to say, no line for each candidate
+                    notes.append(V.same_params_note(mine, ref_params) if mine else "it logged no params to compare")
             if r.nonfinite is not None:
                 notes.append(f"non-finite gradients from step {r.nonfinite.steps[0]}: no known signature fits; "
                              "the NaN events page names the parameters")

@@ -136,3 +136,12 @@ def test_a_candidate_whose_signatures_cannot_be_read_is_said_not_dropped(monkeyp
     monkeypatch.setattr(C, "parity", unreadable)
     (rc,) = C.likely_causes(_histories(), {"ref0": GOOD, "padding": GOOD}, ["ref0"], ["padding"])
     assert rc.causes == () and rc.line() == "cause check failed: reading the metric signatures (ValueError: bad trace)"
+
+
+def test_runs_without_params_get_no_line_of_their_own():
+    # every candidate of runs without params once got "no likely cause: no params to compare"
+    h = _histories()
+    (none,) = C.likely_causes(h, {}, ["ref0"], ["ref1"])
+    assert none.line() == "" and none.notes == ()
+    (bare,) = C.likely_causes(h, {"ref0": GOOD}, ["ref0"], ["ref1"])
+    assert bare.line() == "no likely cause: it logged no params to compare"
