@@ -44,6 +44,7 @@ STRIP_MAX = 0.4  # of the plot area's height at most (rows then come closer)
 LEGEND_ROW_PX = 20  # one row of a horizontal legend in 10 px text
 LEGEND_WIDTH_PX = 500  # the width a chart's legend rows are estimated for (a report chart: 560 px and more)
 TITLE_PX = 30  # above the legend: the chart's title
+DASHES = ("solid", "dot", "dash", "dashdot")  # candidates sharing a colour (more than 12) differ in line style
 KINDS = ("NaN", "inf", "≤0")  # the strip's label names those it holds, in this order (short: a 60 px margin)
 
 
@@ -150,6 +151,7 @@ def metric_figure(
     order = [r for r in shown if r not in refs] + [r for r in shown if r in refs]  # references drawn last, on top
     marked = 0  # runs with markers so far: each run has its own row of the strip, from the top
     kinds: dict[str, None] = {}  # the marker kinds drawn, for the strip's label
+    seen: dict[str, int] = {}  # candidates drawn so far in each colour
     dropped_total = 0
     for run in order:
         t = shown[run].between(options.first, options.last)
@@ -171,9 +173,12 @@ def metric_figure(
             x, y = t.steps[:1], np.full(1, np.nan)
         nf = t.nonfinite()  # every non-finite step of the raw trace, however many, as markers
         is_ref = run in refs
+        # more candidates than colours: a colour's second candidate dotted, its third dashed, ...
+        dash = DASHES[seen.get(color, 0) % len(DASHES)] if not is_ref else "solid"
+        seen[color] = seen.get(color, 0) + (not is_ref)
         data.append(dict(
             type="scatter", x=x, y=_compact(y), mode="lines", name=name, legendgroup=run,
-            line=dict(color=color, width=3.0 if is_ref else 1.6),
+            line=dict(color=color, width=3.0 if is_ref else 1.6, **({"dash": dash} if dash != "solid" else {})),
             opacity=1.0 if is_ref else 0.9,
             hovertemplate=f"%{{y:.4g}} at step %{{x}}<extra>{name}</extra>",
         ))

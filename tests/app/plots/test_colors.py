@@ -76,3 +76,17 @@ def test_up_to_twelve_picked_candidates_all_take_different_colours():
     # 12 candidates outside the order (hashed): 12 colours, none grey
     hashed = run_colors([f"x{i}" for i in range(12)])
     assert len(set(hashed.values())) == 12 and not set(hashed.values()) & set(REFERENCE_GREYS)
+
+
+def test_more_candidates_than_colours_differ_in_line_style():
+    from rldiag.app.data.trace import Trace
+    from rldiag.app.plots.figures import metric_figure
+
+    runs = {f"c{i:02d}": Trace(f"c{i:02d}", "loss", "loss", np.arange(3), np.ones(3), np.zeros(3, np.int64))
+            for i in range(15)}
+    runs["ref"] = Trace("ref", "loss", "loss", np.arange(3), np.ones(3), np.zeros(3, np.int64))
+    fig = metric_figure("loss", runs, reference_ids=["ref"], colors=run_colors(list(runs), ["ref"], order=list(runs)))
+    styles = [(t.line.color, t.line.dash or "solid") for t in fig.data if t.name.startswith("c")]
+    assert len(set(styles)) == 15 and len({c for c, _ in styles}) == 12  # 12 colours, the 3 after them dotted
+    assert [d for _, d in styles].count("dot") == 3
+    assert next(t for t in fig.data if t.name == "ref").line.dash is None  # the reference: solid black
