@@ -87,3 +87,18 @@ def config_diff(
         rows = [row for row in rows if len(set(row[3])) > 1]
     return pd.DataFrame([[g, kind, name, *vals] for g, kind, name, vals in rows],
                         columns=["group", "kind", "name", *cols], dtype=object)  # object: None stays None
+
+
+def value_key(v) -> str:
+    """A config value as compared: its text; a missing value (None, NaN) apart from any text."""
+    return "\0missing" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v)
+
+
+def shared_values(diff: pd.DataFrame, base_columns: Sequence[str]) -> list[str | None]:
+    """Per row of `diff` (`config_diff`'s frame), the value (as `value_key`) every one of `base_columns`
+    (the references) holds; None where they disagree or there are none. A candidate differs where its
+    value is not this one: compared with one reference, every candidate's seed would differ."""
+    if not len(base_columns):
+        return [None] * len(diff)
+    return [values.pop() if len(values := {value_key(v) for v in row}) == 1 else None
+            for row in diff[list(base_columns)].itertuples(index=False)]

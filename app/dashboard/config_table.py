@@ -19,10 +19,12 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from rldiag.app.analysis.config_diff import shared_values, value_key
 from rldiag.app.dashboard.html_table import wrap_text as _wrap
 
 MAX_CHARS = 120  # a cell; a longer value shows its start and its length
 VARIES = "varies across references"
+MISSING = value_key(None)
 CSS = """
 .rldiag-config { overflow-x: auto; }
 .rldiag-config table { width: 100%; border-collapse: collapse; font-size: 13px; }
@@ -35,19 +37,10 @@ CSS = """
 .rldiag-config .group { color: #888; font-size: 11px; }
 """
 def _cell(v) -> str:
-    text = "(missing)" if _missing(v) else str(v)
+    text = "(missing)" if value_key(v) == MISSING else str(v)
     if len(text) > MAX_CHARS:
         text = f"{text[:MAX_CHARS]}... ({len(text)} characters)"
     return _wrap(text)
-
-
-def _missing(v) -> bool:
-    return v is None or (isinstance(v, float) and pd.isna(v))
-
-
-def _key(v) -> str:
-    """A value as compared: its text, a missing value apart from any text."""
-    return "\0missing" if _missing(v) else str(v)
 
 
 def _bases(labels: Sequence[str], reference_labels: Sequence[str]) -> list[str]:
@@ -56,13 +49,9 @@ def _bases(labels: Sequence[str], reference_labels: Sequence[str]) -> list[str]:
 
 
 def base_values(rows: pd.DataFrame, labels: Sequence[str], reference_labels: Sequence[str]) -> list[str | None]:
-    """Per row, the value (as `_key`) candidates are compared with: the one every reference shares
+    """Per row, the value (as `value_key`) candidates are compared with: the one every reference shares
     (without references: the first run's); None where the references disagree."""
-    bases = _bases(labels, reference_labels)
-    if not bases:
-        return [None] * len(rows)
-    return [values.pop() if len(values := {_key(v) for v in row}) == 1 else None
-            for row in rows[bases].itertuples(index=False)]
+    return shared_values(rows, _bases(labels, reference_labels))
 
 
 def run_order(rows: pd.DataFrame, labels: Sequence[str], reference_labels: Sequence[str]) -> list[str]:
@@ -73,7 +62,7 @@ def run_order(rows: pd.DataFrame, labels: Sequence[str], reference_labels: Seque
     if rows.empty:
         return bases + others
     base = base_values(rows, labels, reference_labels)
-    n_diff = {r: sum(b is not None and _key(v) != b for v, b in zip(rows[r], base)) for r in others}
+    n_diff = {r: sum(b is not None and value_key(v) != b for v, b in zip(rows[r], base)) for r in others}
     return bases + sorted(others, key=lambda r: -n_diff[r])
 
 
@@ -98,7 +87,7 @@ def _row(row: Mapping, order: Sequence[str], bases: set, base: str | None) -> st
         if r in bases:
             cls = ' class="v"' if varies else ""  # the references disagree: theirs are the values that vary
         else:
-            cls = ' class="d"' if row["differs"] and base is not None and _key(row[r]) != base else ""
+            cls = ' class="d"' if row["differs"] and base is not None and value_key(row[r]) != base else ""
         cells.append(f"<td{cls}>{_cell(row[r])}</td>")
     name = (f'<code>{_wrap(str(row["name"]))}</code><br><span class="group">'
             f'{html.escape(str(row["group"]))} &middot; {html.escape(str(row["kind"]))}</span>')

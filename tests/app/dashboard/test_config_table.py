@@ -66,3 +66,14 @@ def test_no_table_wraps_inside_a_word():
     table = html_table.html_table(pd.DataFrame({"steps": ["40-41, 200"], "steps (count)": [3]}),
                                   numeric=("steps (count)",))
     assert "<td>40-41, 200</td>" in table and '<td class="num">3</td>' in table
+
+
+def test_shared_values_is_what_the_references_hold_in_common():
+    from rldiag.app.analysis.config_diff import RunConfig, config_diff, shared_values, value_key
+
+    configs = {"a": RunConfig({"seed": "0", "lr": "1e-06"}, {}), "b": RunConfig({"seed": "1", "lr": "1e-06"}, {}),
+               "c": RunConfig({"seed": "2", "lr": "2e-06"}, {})}
+    diff = config_diff(configs)
+    got = dict(zip(diff["name"], shared_values(diff, ["a", "b"])))
+    assert got == {"lr": "1e-06", "seed": None}  # the references disagree on the seed
+    assert shared_values(diff, []) == [None, None] and value_key(None) != value_key("None")
