@@ -58,7 +58,7 @@ class ChartOptions:
     first: int | None = None  # first step shown (None: the start)
     last: int | None = None  # last step shown (None: the end)
     n_points: int = DEFAULT_POINTS  # line points per run after decimation
-    height: int = 300  # pixels
+    height: int = 300  # pixels, the legend's rows above the plot added to it
 
     def __post_init__(self):
         if not 0.0 <= self.smoothing < 1.0:
@@ -234,7 +234,7 @@ def metric_figure(
     xaxis = dict(title=dict(text="step"))
     if options.first is not None and options.last is not None:
         xaxis["range"] = [options.first, options.last]
-    plot_px = options.height - 75  # the plot area: the height less the title and x axis margins
+    plot_px = options.height - TITLE_PX - 35  # the plot area: the height less the title and x axis margins
     y_domain, strip = _strip_axes(marked, list(kinds), plot_px)
     if marked:  # a light band behind the strip, so its markers never read as data
         shapes.append(dict(type="rect", xref="x domain", x0=0, x1=1, yref="y2 domain", y0=0, y1=1, layer="below",
