@@ -23,7 +23,7 @@ from bench._common import RESULTS
 
 BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "log_stall", "load_histories", "callback_overhead",
               "divergence_quality", "divergence_speed", "report_build", "dashboard_load", "install_footprint", "journal_scale",
-              "team_load", "logits_memory", "entropy_cache")
+              "team_load", "logits_memory", "entropy_cache", "cli_help")
 # rows of results `run_all` does not produce itself (a longer run of a benchmark, by its own command)
 TABLE = (*BENCHMARKS[:3], "overhead_d1024", *BENCHMARKS[3:8], "divergence_quality_long", "divergence_quality_zeros",
          "divergence_quality_zeros_often", *BENCHMARKS[8:])

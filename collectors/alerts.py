@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Protocol
 
 from rldiag.collectors import keys
-from rldiag.collectors.nan_origin import format_positions
 
 log = logging.getLogger("rldiag.alerts")
 
@@ -75,6 +74,8 @@ class NonFiniteGradAlert(StepEvent):
         where = ""
         origin = self.origin or {}
         if self.positions and origin.get("where") != "loss_backward":  # (that origin text holds them)
+            from rldiag.collectors.nan_origin import format_positions  # imports torch: not for the read side
+
             where = f"; non-finite at {format_positions(self.positions)}"
         if self.positions and self.nonfinite_positions > len(self.positions):
             where += f" ({self.nonfinite_positions} positions)"

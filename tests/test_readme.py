@@ -197,6 +197,7 @@ def test_every_rldiag_command_shown_exists(name, line, cmd):
                                       f"(there: {sorted(subs.choices)})")
         parser, rest = subs.choices[word], rest[rest.index(word) + 1:]
         words.append(word)
+    parser.format_help()  # the options its --help lists (an experiment's load when asked: app/cli/experiment.py)
     bad = [o for o in option_names(rest) if o not in parser._option_string_actions]
     assert not bad, f"{name} shows `{line}`: `{' '.join(words)}` has no option {bad}"
 

@@ -7,10 +7,7 @@ import sys
 from pathlib import Path
 
 from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_option, store_failed
-from rldiag.app.data.store import store_errors
-from rldiag.app.errors import DataError
-from rldiag.app.report.build import DEFAULT_HTML, DEFAULT_MARKDOWN, EXAMPLES, build_report, departure_lines
-from rldiag.collectors import keys as K
+from rldiag.app.report.names import DEFAULT_HTML, DEFAULT_MARKDOWN, EXAMPLES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`rldiag report`: see `rldiag report --help`."""
+    from rldiag.app.data.store import store_errors
+    from rldiag.app.errors import DataError
+    from rldiag.app.report.build import build_report, departure_lines
 
     out = Path(args.out) if args.out else Path(".")
     html_path = Path(args.html) if args.html else out / DEFAULT_HTML
@@ -87,6 +87,11 @@ def _safe(name: str) -> str:
 
 
 def _all_groups(args: argparse.Namespace, out: Path, metrics, progress) -> int:
+    from rldiag.app.data.store import store_errors
+    from rldiag.app.errors import DataError
+    from rldiag.app.report.build import build_report, departure_lines
+    from rldiag.collectors import keys as K
+
     try:
         groups = comparable_groups(args.tracking_uri, args.experiment)
     except DataError as e:

@@ -10,13 +10,29 @@ import signal
 import threading
 
 from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_option, store_failed
-from rldiag.app.data.store import open_store, store_errors
-from rldiag.app.errors import DataError
-from rldiag.app.watch.loop import DEFAULT_INTERVAL, EXAMPLES, Watcher, log, loop
-from rldiag.app.watch.state import DEFAULT_STATE, StateError, StateLock, WatchState
-from rldiag.collectors.alerts import JsonlSink, LoggingSink, WebhookSink
 from rldiag.collectors.settings import RLDIAG_ALERTS_JSONL, RLDIAG_WEBHOOK_URL
-from rldiag.collectors.uri import redact_uri
+
+# The watcher (rldiag.app.watch) is imported when it runs: `rldiag watch --help` reads only these.
+DEFAULT_INTERVAL = 30.0
+DEFAULT_STATE = ".rldiag/watch-state.json"
+
+EXAMPLES = """\
+examples:
+  rldiag watch                                   every 30 s, all experiments in ./mlruns.db
+  rldiag watch --tracking-uri http://mlflow:5000 --experiment grpo --jsonl alerts.jsonl
+  RLDIAG_WEBHOOK_URL=https://hooks.slack.com/... rldiag watch --interval 60 --divergence
+  rldiag watch --once                            one poll cycle (cron); exit 1 if it sent alerts
+
+A step is non-finite when grad/finite is 0, or grad/norm (or grad_norm, actor/grad_norm, ...) is NaN
+or inf (MLflow stores inf as 1.797e308; read back as inf). A NaN/inf loss beside finite gradients is an
+alert of its own kind (nonfinite_loss); fp16 scaler overflows (grad/scaler_overflow) are told, never
+alerted. In an fp16 run rldiag did not watch (params fp16=True), a short streak of non-finite grad norms
+with a finite loss is held back until the next finite row (then told as a likely scaler overflow) or
+alerted once it lasts 8 logged rows, has a NaN loss, or the run ends in it. Steps with no valid tokens
+(batch/valid_tokens 0, or TRL's completions/clipped_ratio 1 with mask_truncated_completions=True: every token
+masked) are told once as no_valid_tokens, never alerted. The state file remembers what was already
+alerted, so a restarted watcher neither repeats nor misses an event.
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +73,13 @@ def _interval(raw: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """`rldiag watch`: see the module docstring and `rldiag watch --help`."""
+    from rldiag.app.data.store import open_store, store_errors
+    from rldiag.app.errors import DataError
+    from rldiag.app.watch.loop import Watcher, log, loop
+    from rldiag.app.watch.state import StateError, StateLock, WatchState
+    from rldiag.collectors.alerts import JsonlSink, LoggingSink, WebhookSink
+    from rldiag.collectors.uri import redact_uri
+
     interval = _interval(args.interval)
     log.setLevel(logging.INFO)
     # MLflow's client retries a dead server for minutes; the watcher polls again anyway.

@@ -27,16 +27,8 @@ from rldiag.app.plots.figures import ChartOptions
 from rldiag.app.report.content import ReportContent, default_keys, report_content
 from rldiag.app.report.html import render_html
 from rldiag.app.report.markdown import render_markdown
+from rldiag.app.report.names import DEFAULT_HTML, DEFAULT_MARKDOWN, EXAMPLES  # noqa: F401 - re-exported
 from rldiag.collectors import keys as K
-
-DEFAULT_HTML = "rldiag-report.html"
-DEFAULT_MARKDOWN = "rldiag-report.md"
-EXAMPLES = """\
-examples:
-  rldiag report --group v0_vs_v1                     references and candidates by their rldiag.role tags
-  rldiag report --reference RUN_A --reference RUN_B --candidate RUN_C --metrics policy/ratio_mean,grad/norm
-  rldiag report --group masked_vs_unmasked --out reports/   reports/rldiag-report.html and .md
-"""
 
 
 @dataclass(frozen=True)

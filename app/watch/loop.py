@@ -68,27 +68,6 @@ WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, keys
                                keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE, keys.BATCH_TOKENS,
                                keys.TRL_CLIPPED_RATIO)
 ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
-DEFAULT_INTERVAL = 30.0
-
-EXAMPLES = """\
-examples:
-  rldiag watch                                   every 30 s, all experiments in ./mlruns.db
-  rldiag watch --tracking-uri http://mlflow:5000 --experiment grpo --jsonl alerts.jsonl
-  RLDIAG_WEBHOOK_URL=https://hooks.slack.com/... rldiag watch --interval 60 --divergence
-  rldiag watch --once                            one poll cycle (cron); exit 1 if it sent alerts
-
-A step is non-finite when grad/finite is 0, or grad/norm (or grad_norm, actor/grad_norm, ...) is NaN
-or inf (MLflow stores inf as 1.797e308; read back as inf). A NaN/inf loss beside finite gradients is an
-alert of its own kind (nonfinite_loss); fp16 scaler overflows (grad/scaler_overflow) are told, never
-alerted. In an fp16 run rldiag did not watch (params fp16=True), a short streak of non-finite grad norms
-with a finite loss is held back until the next finite row (then told as a likely scaler overflow) or
-alerted once it lasts 8 logged rows, has a NaN loss, or the run ends in it. Steps with no valid tokens
-(batch/valid_tokens 0, or TRL's completions/clipped_ratio 1 with mask_truncated_completions=True: every token
-masked) are told once as no_valid_tokens, never alerted. The state file remembers what was already
-alerted, so a restarted watcher neither repeats nor misses an event.
-"""
-
-
 # ---- the watcher ---------------------------------------------------------------------------------
 class _Shared:
     """A sink shared by the per-run dispatchers: their close() must not close it (the watcher does)."""

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 VERSION = 1
-DEFAULT_STATE = ".rldiag/watch-state.json"
 
 
 class StateError(ValueError):

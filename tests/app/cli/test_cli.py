@@ -80,3 +80,21 @@ def test_detector_help_is_short_and_lists_on_request(tmp_path):
     assert "`--detector help` lists every option" in out.stdout and "k_per_halving" not in out.stdout
     listed = rldiag("report", "--detector", "help", cwd=tmp_path)
     assert listed.returncode == 0 and "  k=" in listed.stdout and "  window=" in listed.stdout, listed
+
+
+HEAVY = ("torch", "mlflow", "pandas", "plotly", "streamlit", "vllm", "transformers", "numpy", "sqlalchemy")
+
+
+def test_no_command_help_imports_a_heavy_library():
+    """`rldiag COMMAND --help` stays instant (bench.cli_help measures it): it imports none of the libraries
+    a command needs when it runs."""
+    from rldiag.app.cli.main import COMMANDS
+
+    probe = ("import sys, contextlib, io\nfrom rldiag.app.cli.main import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()):\n"
+             "    try:\n        main(sys.argv[1:])\n    except SystemExit:\n        pass\n"
+             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))")
+    for command in ["", *COMMANDS]:
+        args = [command, "--help"] if command else ["--help"]
+        out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "[]", (command, out.stdout, out.stderr[-500:])
