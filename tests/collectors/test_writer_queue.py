@@ -34,6 +34,7 @@ def test_queue_cap_counts_what_does_not_fit_and_warns_once_per_stretch(sqlite_ur
     w = MetricWriter(run_id, make_sender(sqlite_uri), tracking_uri=sqlite_uri, spill_dir=tmp_path / "spill",
                      queue_points=2000)
     row = {f"k{i}": 1.0 for i in range(1000)}
+    prev = 0  # lost before this stretch
     with caplog.at_level(logging.WARNING, logger="rldiag.writer"):
         for stretch in range(2):
             for step in range(300):  # 300,000 points, far faster than the ingest thread's 50 ms polls
@@ -44,8 +45,8 @@ def test_queue_cap_counts_what_does_not_fit_and_warns_once_per_stretch(sqlite_ur
             while w._put - w._got > 0 and time.monotonic() < deadline:
                 time.sleep(0.05)  # the ingest thread catches up
             w.log_metrics({"after": 1.0}, stretch * 1000 + 999)  # the next call ends the stretch
-            assert f"{lost - (0 if stretch == 0 else first)} points logged while its queue was full" in caplog.text
-            first = lost
+            assert f"{lost - prev} points logged while its queue was full" in caplog.text
+            prev = lost
         stats = w.close(timeout=120)
     assert caplog.text.count("counted lost, in stats.lost_queue") == 2  # one warning as each stretch began
     assert caplog.text.count("caught up") == 2
