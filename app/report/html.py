@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 from functools import cache
 
+from rldiag.app.analysis.config_diff import shared_values, value_key
 from rldiag.app.analysis.divergence import sigma_cell
 from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.analysis.step_events import step_event_lines
@@ -38,6 +39,8 @@ tr.hit td { background: #fff1e0; } tr.thin td { color: #666; background: #f6f6f6
 .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 8px 16px; }
 .chart { min-height: 300px; } .note { color: #666; font-style: italic; }
 details { margin: 2px 0 6px; } summary { cursor: pointer; color: #335; }
+th { white-space: nowrap; } th, td { word-break: normal; overflow-wrap: normal; }
+.scroll { overflow-x: auto; max-width: 100%; } span.differs { background: #fff1e0; padding: 0 2px; } td.varies { color: #666; }
 """
 
 _LOADER = """(function () {
@@ -83,7 +86,8 @@ def _table(header: list[str], rows: list[tuple[list[str], str]], num: set[int] =
         f'<tr class="{cls}">' + "".join(f'<td class="num">{c}</td>' if i in num else f"<td>{c}</td>"
                                         for i, c in enumerate(cells)) + "</tr>"
         for cells, cls in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    # a wide table scrolls sideways instead of breaking words mid-way ("(referenc e)")
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def _runs(c: ReportContent) -> str:
@@ -197,9 +201,22 @@ def _config(c: ReportContent) -> str:
     diff = c.config_diff  # without the alert tags (content.ALERT_TAGS): the NaN section says them in words
     if diff.empty:
         return "<p>Every param and tag is the same in all runs.</p>"
-    rows = [([e(group), e(kind), f"<code>{e(name)}</code>", *(e(_cell(fmt_value(v))) for v in values)], "")
-            for group, kind, name, *values in diff.itertuples(index=False)]
-    return _table(["group", "kind", "name", *(e(r.label) for r in c.runs)], rows)
+    labels = [r.label for r in c.runs]
+    refs = [r.label for r in c.runs if r.role == "reference"] or labels[:1]
+    # marked against the value every reference shares (against the first reference, each candidate's seed
+    # would differ); a row where the references disagree among themselves flags no candidate
+    base = shared_values(diff, refs)
+    rows = []
+    for (group, kind, name, *values), shared in zip(diff.itertuples(index=False), base):
+        cells = []
+        for label, v in zip(labels, values):
+            text = e(_cell(fmt_value(v)))
+            marked = label not in refs and shared is not None and value_key(v) != shared
+            cells.append(f'<span class="differs">{text}</span>' if marked else text)
+        what = f"<code>{e(name)}</code>" + (' <span class="varies">(varies across references)</span>'
+                                             if shared is None and len(refs) > 1 else "")
+        rows.append(([e(group), e(kind), what, *cells], ""))
+    return _table(["group", "kind", "name", *(e(label) for label in labels)], rows)
 
 
 def _cell(text: str) -> str:
@@ -238,8 +255,8 @@ def render_html(c: ReportContent) -> str:
 </header>
 <section id="verdict"><h2>Verdict</h2>{_verdict(c)}</section>
 <section id="charts"><h2>Metrics</h2>
-<p class="note">Lines keep every bucket's min and max; x at the top: NaN, triangles: +inf/-inf (each run a
-little further from the edge); dashed line and diamond: where a candidate leaves the reference band.</p>
+<p class="note">Lines keep every bucket's min and max; NaN (x) and +inf/-inf (triangles) sit in the grey strip
+above each plot, one row per run; dashed line and diamond: where a candidate leaves the reference band.</p>
 <div class="grid">{charts}</div></section>
 <section id="divergence"><h2>Divergence from the references, per metric</h2>{_divergence(c)}</section>
 <section id="causes"><h2>Likely causes</h2>{_causes(c)}</section>
