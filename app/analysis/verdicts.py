@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from rldiag.collectors import keys as K
 
@@ -91,3 +92,42 @@ def check_failed(check: str, e: Exception) -> str:
 
 __all__ = ["NON_NEGATIVE", "SOURCE_PIPELINERL", "SOURCE_TRL", "check_failed", "departure_size", "parity_text",
            "range_text", "same_params_note"]
+
+
+# ---- one row per candidate: the experiments' closing table and the Compare page's first screen ------------
+STATUS_WORDS = {
+    "nonfinite": "non-finite gradients",
+    "diverged": "departs",
+    "within": "within the band",
+    "not_enough_steps": "cannot tell (too few steps)",
+    "not_compared": "not compared",
+}
+
+
+class VerdictRow(NamedTuple):
+    """A candidate in one line: its verdict, where it first departs and why (`verdict_rows`)."""
+
+    run: str  # its label
+    verdict: str  # STATUS_WORDS of its status
+    departs: str  # "grad/finite 0 at step 1", "policy/clip_rate from step 3, alerted at step 8", or "-"
+    cause: str  # the first likely cause's title, or "-"
+    fix: str  # that cause's fix, or ""
+
+
+def verdict_rows(comparison, labels: Mapping[str, str]) -> list[VerdictRow]:
+    """One `VerdictRow` per candidate of a `rldiag.app.compare` result, in candidate order."""
+    rows = []
+    for v in comparison.verdicts:
+        s = v.summary
+        if s.first_nonfinite_step is not None:
+            departs = f"grad/finite 0 at step {s.first_nonfinite_step}"
+        elif s.first is not None:
+            d = s.first
+            alert = f", alerted at step {d.alert_step}" if d.alert_step is not None else ""
+            departs = f"{d.key} from step {d.onset_step}{alert}"
+        else:
+            departs = "-"
+        cause = v.causes.first
+        rows.append(VerdictRow(labels.get(v.run_id, v.run_id), STATUS_WORDS.get(v.status, v.status), departs,
+                               cause.title if cause is not None else "-", cause.fix if cause is not None else ""))
+    return rows

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-STATUS_WORDS = {
-    "nonfinite": "non-finite gradients",
-    "diverged": "departs",
-    "within": "within the band",
-    "not_enough_steps": "cannot tell (too few steps)",
-    "not_compared": "not compared",
-}
+from rldiag.app.analysis.verdicts import VerdictRow
 
 
-def verdict_rows(uri: str, run_ids: Sequence[str]) -> list[tuple[str, str, str, str, str]]:
-    """`(run, verdict, first departure, likely cause, its fix)` per candidate among `run_ids` (references: the
+def store_verdicts(uri: str, run_ids: Sequence[str]) -> list[VerdictRow]:
+    """A `VerdictRow` (run, verdict, first departure, likely cause, its fix) per candidate among `run_ids` (references: the
     runs tagged rldiag.role=reference among them), compared on every canonical metric they logged."""
     from rldiag.app.analysis.comparison import CompareOptions, compare, load_keys
+    from rldiag.app.analysis.verdicts import verdict_rows  # noqa: I001 - the comparison's rows
     from rldiag.app.data.alerts import load_alert_events
     from rldiag.app.data.histories import load_histories
     from rldiag.app.data.runs import get_runs
@@ -37,25 +32,10 @@ def verdict_rows(uri: str, run_ids: Sequence[str]) -> list[tuple[str, str, str, 
     params = {r.info.run_id: dict(r.data.params) for r in runs}
     found = compare(histories, refs, cands, CompareOptions(keys), params=params,
                     alerts=load_alert_events(store, refs + cands, tags=tags))
-    names = {r.info.run_id: r.info.run_name or r.info.run_id for r in runs}
-    rows = []
-    for v in found.verdicts:
-        s = v.summary
-        if s.first_nonfinite_step is not None:
-            first = f"grad/finite 0 at step {s.first_nonfinite_step}"
-        elif s.first is not None:
-            d = s.first
-            alert = f", alerted at step {d.alert_step}" if d.alert_step is not None else ""
-            first = f"{d.key} from step {d.onset_step}{alert}"
-        else:
-            first = "-"
-        cause = v.causes.first
-        rows.append((names[v.run_id], STATUS_WORDS.get(v.status, v.status), first,
-                     cause.title if cause is not None else "-", cause.fix if cause is not None else ""))
-    return rows
+    return verdict_rows(found, {r.info.run_id: r.info.run_name or r.info.run_id for r in runs})
 
 
-def format_verdicts(rows: Sequence[tuple[str, str, str, str, str]]) -> str:
+def format_verdicts(rows: Sequence[VerdictRow]) -> str:
     """An aligned plain-text table, then each likely cause's fix under it."""
     head = ("run", "verdict", "first departure", "likely cause")
     w = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
@@ -73,7 +53,7 @@ def format_verdicts(rows: Sequence[tuple[str, str, str, str, str]]) -> str:
 def print_verdicts(run_ids: Sequence[str], uri: str) -> None:
     """The experiment's closing table (`verdict_rows`), or one line saying why there is none."""
     try:
-        rows = verdict_rows(uri, run_ids)
+        rows = store_verdicts(uri, run_ids)
     except Exception as e:  # noqa: BLE001 - the runs are logged; a failed comparison must not hide that
         print(f"verdicts: could not compare the runs ({type(e).__name__}: {e}); try rldiag report")
         return

@@ -19,8 +19,10 @@ from rldiag.app.analysis.divergence import (
     size_text,
     zero_rate_text,
 )
+from rldiag.app.analysis.verdicts import verdict_rows
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
+from rldiag.app.dashboard.html_table import html_table
 from rldiag.app.dashboard.selection import (
     Selection,
     current,
@@ -181,6 +183,11 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
 
     if refs and cands:
         glance.markdown(glance_line(summaries, sel.labels, len(refs)))
+        # the why, before any chart: per candidate its verdict, where it departs, its likely cause and fix
+        rows = verdict_rows(found, sel.labels)
+        if any(r.departs != "-" or r.cause != "-" for r in rows):  # a static table: the fix wraps, never cut
+            glance.markdown(html_table(pd.DataFrame(rows, columns=["candidate", "verdict", "departs", "likely cause",
+                                                                   "fix"])), unsafe_allow_html=True)
     with board:
         colors = run_colors(run_ids, refs, order=run_order(sel.runs))  # from the run, not its place in the pick
         labels = tuple((r, sel.labels[r]) for r in run_ids)

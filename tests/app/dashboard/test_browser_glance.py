@@ -49,10 +49,13 @@ def test_compare_and_nan_events_at_1280x800(dash_store, tmp_path):
             page.goto(url + "compare")
             drawn(page, {keys.GRAD_NORM: {"unmasked", "unmasked NaN"}})
             page.wait_for_timeout(500)
-            # A chart above the fold: the first panel starts at least 150 px above the window's bottom edge.
+            # The why above the fold (issue 44): each candidate's verdict, departure and likely cause with its
+            # fix, in a table that ends inside the first screen, before the first chart panel.
             top = page.evaluate(FIRST_PANEL_TOP_JS)
+            verdicts = page.locator(".rldiag-table", has_text="likely cause").first.bounding_box()
             screenshot(page, "glance-compare-1280")
-            assert top < 800 - 150, top
+            assert verdicts["y"] + verdicts["height"] < 800 and verdicts["y"] + verdicts["height"] <= top, (
+                verdicts, top)
             traces = page.evaluate(TRACES_JS)
             lines = {t["name"]: t["line"] for t in traces if t["panel"] == keys.RATIO_MEAN and t["line"]}
             # One colour per run, the report's: every picked run drawn in the colour the report gives it.

@@ -77,6 +77,12 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
     assert summary.pop("unmasked").startswith(f"- **unmasked**: non-finite gradients from step {NAN_STEPS[0]} (4 steps)")
     assert summary and all("stays within the reference band on 7 metrics compared" in line
                            for line in summary.values())  # the seeds, the run named like HTML
+    # before the charts, one row per candidate: verdict, where it departs, likely cause and fix (a static table)
+    [verdicts] = [m.value for m in at.markdown if "<th>departs</th>" in m.value]
+    rows = {cells[0]: cells[1:] for cells in table_rows(verdicts)}
+    assert rows["unmasked"][:2] == ["non-finite gradients", f"grad/finite 0 at step {NAN_STEPS[0]}"], rows
+    assert rows["v1 shifted"][0] == "departs" and " from step " in rows["v1 shifted"][1]
+    assert all(r[:2] == ["within the band", "-"] for n, r in rows.items() if n not in ("unmasked", "v1 shifted"))
     assert not at.dataframe
     at.toggle(key="compare.divergence.all").set_value(True).run()
     table = at.dataframe[0].value
@@ -323,3 +329,13 @@ def test_a_group_of_a_hundred_runs_opens_on_the_newest_picks_and_offers_the_rest
     assert len(at.multiselect(key="sidebar.candidates").options) == 96  # the rest stay in the list
     captions = [c.value for c in at.sidebar.caption]
     assert any("the newest 12 of 96 candidates" in c for c in captions), captions
+
+
+def table_rows(markup: str) -> list[list[str]]:
+    """The text of each body row's cells of one `html_table` (tags and <wbr> dropped, entities decoded)."""
+    import html
+    import re
+
+    body = markup.split("<tbody>", 1)[1]
+    return [[html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S)]
