@@ -89,10 +89,13 @@ demo: install
 	$(VENV)/bin/rldiag experiment engine-parity
 	@if [ "$(DEMO_APP)" = 1 ]; then $(VENV)/bin/rldiag app; fi
 
+# Two worker processes (CI has 2 cores), a test file, or the files that share a session fixture, to one
+# (tests/conftest.py); `make test PYTEST_PARALLEL=` runs the suite serially. --durations: the 15 slowest.
+PYTEST_PARALLEL ?= -n 2
 # The whole suite in .venv, then the transformers/TRL tests in .venv-trl11 (its own pytest cache off:
 # .pytest_cache belongs to .venv's run).
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=15
 	$(MAKE) --no-print-directory test-trl11
 
 test-trl11: $(STAMP_TRL11)

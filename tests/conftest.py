@@ -47,6 +47,42 @@ def _restore_main_module():
         sys.modules["__main__"] = main
 
 
+# Test files that share one session fixture: under xdist (make test: `-n 2`) they run in one worker, so it is
+# built once (the engine-parity store starts six vLLM engines). Every other file is its own unit of work, so
+# its module-scoped fixtures (a real `mlflow server`, a trained tiny model) are built once, as in a serial run.
+SHARED_FIXTURE_FILES = {
+    "parity_store": ("tests/experiments/test_engine_parity.py", "tests/experiments/test_causes_engine_parity.py",
+                     "tests/experiments/test_divergence_onsets.py"),
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without pytest-xdist the suite runs serially
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's scheduler, by file and by shared fixture (`--dist loadgroup` would do it with markers, but
+    xdist 3.8 tags the node ids through an attribute pytest 9 no longer reads, so every test went alone)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    unit = {path: f"shared:{name}" for name, paths in SHARED_FIXTURE_FILES.items() for path in paths}
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return unit.get(path, path)
+
+    return ByFile(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that uses a shared session fixture from a file SHARED_FIXTURE_FILES does not list would build
+    it a second time in another worker: say so instead."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        for name, paths in SHARED_FIXTURE_FILES.items():
+            if name in getattr(item, "fixturenames", ()) and path not in paths:
+                raise pytest.UsageError(f"{item.nodeid} uses the session fixture {name!r}: add {path!r} to "
+                                        "SHARED_FIXTURE_FILES in tests/conftest.py")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The whole run loaded each module once: as `rldiag.<part>.x`, never also under a bare folder name
     (`collectors.x`, `app.x`, `experiments.x`, importable because the repository root is on sys.path)."""
