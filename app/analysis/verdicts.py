@@ -65,23 +65,24 @@ def departure_size(kind: str | None, delta: float, delta_sigma: float, candidate
     return f"delta {delta:+.3g}" if math.isfinite(delta) else "size unknown"
 
 
-def _seed(params: Mapping[str, str]) -> str | None:
-    for k, v in params.items():
-        if k.rsplit(".", 1)[-1].lower() in _SEED:
-            return v
-    return None
+def _seeds(params: Mapping[str, str]) -> dict[str, str]:
+    """Every seed-like param (`seed`, `loop.seed`, `engine.seed`, ...): a run may log several, and one of them
+    (an engine's) can be the same in every run while another (the loop's) tells the runs apart."""
+    return {k: v for k, v in params.items() if k.rsplit(".", 1)[-1].lower() in _SEED}
 
 
 def same_params_note(params: Mapping[str, str], references: Sequence[Mapping[str, str]]) -> str:
     """Why no setting explains a candidate whose params equal its references' but for run-specific ones:
-    "its params differ from the references' only in seed" only where the seeds differ."""
-    mine, theirs = _seed(params), {_seed(r) for r in references} - {None}
-    if mine is not None and theirs and mine not in theirs:
+    "its params differ from the references' only in seed" only where its seeds equal no reference's."""
+    mine, theirs = _seeds(params), [_seeds(r) for r in references]
+    if not mine:
+        return "its params equal the references' (it logged no seed)"
+    if not any(theirs):
+        return "its params equal the references' (they logged no seed)"
+    if mine not in theirs:
         return "its params differ from the references' only in seed"
-    if mine is not None and mine in theirs:
-        return f"its params equal a reference's, seed {mine} included (a rerun of the same configuration)"
-    return "its params equal the references' (it logged no seed)" if mine is None else (
-        "its params equal the references' (they logged no seed)")
+    shown = ", ".join(f"{k} {v}" if len(mine) > 1 else f"seed {v}" for k, v in mine.items())
+    return f"its params equal a reference's, {shown} included (a rerun of the same configuration)"
 
 
 def check_failed(check: str, e: Exception) -> str:

@@ -77,6 +77,9 @@ def test_equal_seeds_never_differ_only_in_seed():
         "its params differ from the references' only in seed")
     assert V.same_params_note({"loop.seed": "0"}, [{"loop.seed": "0"}, {"loop.seed": "1"}]).startswith(
         "its params equal a reference's, seed 0 included")
+    # an engine seed the same in every run does not hide the loop seeds that differ (the engine-parity runs)
+    assert V.same_params_note({"engine.seed": "0", "loop.seed": "1"}, [{"engine.seed": "0", "loop.seed": "0"}]) == (
+        "its params differ from the references' only in seed")
     assert V.same_params_note({"lr": "1"}, [{"lr": "1", "seed": "0"}]) == (
         "its params equal the references' (it logged no seed)")
     h = _h({"ref": {K.LOSS: [0.5] * 4}, "cand": {K.LOSS: [0.5] * 4}})
