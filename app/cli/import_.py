@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
-import math
 
-from rldiag.app.cli.options import CliError, add_tracking_option
+from rldiag.app.cli.options import CliError, add_tracking_option, positive_seconds
 from rldiag.collectors.keys import ROLES, TAG_GROUP, TAG_ROLE, TAG_VARIANT
 
 EXAMPLES = """\
@@ -47,13 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _interval(raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v > 0):
-        raise CliError(f"--interval {raw!r} is not a positive number of seconds; use e.g. --interval 10")
-    return v
+    return positive_seconds(raw, example=10)
 
 
 FIELDS = {"group": TAG_GROUP, "role": TAG_ROLE, "variant": TAG_VARIANT}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from rldiag.app.data.store import BACKEND_ENV
@@ -21,6 +22,17 @@ def non_negative_int(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"{n} is negative: give a step or count of 0 or more")
     return n
+
+
+def positive_seconds(raw: str, option: str = "--interval", example: float = 30) -> float:
+    """A positive, finite number of seconds, or the one-line error naming the value and an example."""
+    try:
+        v = float(raw)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise CliError(f"{option} {raw!r} is not a positive number of seconds; use e.g. {option} {example:g}")
+    return v
 
 
 def positive_int(text: str) -> int:

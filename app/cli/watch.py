@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import threading
 
-from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_option, store_failed
+from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_option, positive_seconds, store_failed
 from rldiag.collectors.settings import RLDIAG_ALERTS_JSONL, RLDIAG_WEBHOOK_URL
 
 # The watcher (rldiag.app.watch) is imported when it runs: `rldiag watch --help` reads only these.
@@ -62,13 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _interval(raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v > 0):
-        raise CliError(f"--interval {raw!r} is not a positive number of seconds; use e.g. --interval 30")
-    return v
+    return positive_seconds(raw, example=30)
 
 
 def run(args: argparse.Namespace) -> int:

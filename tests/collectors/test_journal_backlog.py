@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from rldiag.collectors import keys
 from rldiag.collectors.journal_read import segment_files
 from rldiag.collectors.mlflow_store import make_sender, open_run
 from rldiag.collectors.writer import MetricWriter
-
+from tests.helpers.writer import RamWatch
 
 MAX_FLOAT = 1.7976931348623157e308
 
@@ -63,24 +62,6 @@ def check_every_point_once(uri: str, run_id: str, steps: int) -> None:
             else:
                 assert (math.isnan(v) and math.isnan(want)) or v == want
     assert history(uri, run_id, keys.inf_flag_key("m1")) == [(150, 1.0)]
-
-
-class RamWatch:
-    """Samples the writer's memory backlog (entries in batches held in RAM) while the test runs."""
-
-    def __init__(self, w: MetricWriter):
-        self.peak, self._stop = 0, threading.Event()
-        self._t = threading.Thread(target=self._run, args=(w,), daemon=True)
-        self._t.start()
-
-    def _run(self, w: MetricWriter) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, w._ram_points)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        return self.peak
 
 
 def test_tiny_cap_outage_on_sqlite_every_point_read_back_from_the_journal(sqlite_uri, tmp_path, caplog):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import shutil
 import sqlite3
-import threading
 import time
 
 from rldiag.app.cli.main import main
@@ -24,6 +23,7 @@ from rldiag.collectors.journal_read import lock_path, segment_files
 from rldiag.collectors.mlflow_store import make_sender, open_run
 from rldiag.collectors.writer import JournalState, MetricWriter
 from tests.conftest import free_port
+from tests.helpers.writer import RamWatch
 
 KEYS = 10
 
@@ -41,24 +41,6 @@ def log_steps(w: MetricWriter, steps: range, pause_every: int = 20) -> None:
         if step % pause_every == pause_every - 1:
             time.sleep(0.06)
     time.sleep(0.3)  # the last batch journaled (ingest linger 50 ms)
-
-
-class RamWatch:
-    """The writer's memory backlog (entries of batches held in RAM), sampled every 5 ms."""
-
-    def __init__(self, w: MetricWriter):
-        self.peak, self._stop = 0, threading.Event()
-        self._t = threading.Thread(target=self._run, args=(w,), daemon=True)
-        self._t.start()
-
-    def _run(self, w: MetricWriter) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, w._ram_points)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        return self.peak
 
 
 def test_disk_fills_mid_outage_then_frees_journaling_resumes_and_every_point_is_counted(sqlite_uri, small_fs,
