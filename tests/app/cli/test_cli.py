@@ -56,7 +56,11 @@ def test_sync_missing_and_foreign_files(tmp_path):
     foreign = tmp_path / "x.jsonl"
     foreign.write_text('{"hello": 1}\n')
     out = rldiag("sync", str(foreign), cwd=tmp_path)
-    assert out.returncode == 2 and "no rldiag journal header" in out.stderr
+    # named on its own: exit 2, one line saying why it was skipped, and the user's file as it was
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert (out.stdout + out.stderr).strip() == (f"{foreign}: skipped: not an rldiag journal (its first line is not "
+                                                 "an rldiag journal header); left as it is")
+    assert foreign.read_text() == '{"hello": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl"]
 
 
 def test_help_has_an_example_for_every_command(tmp_path):
