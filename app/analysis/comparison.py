@@ -33,7 +33,7 @@ from rldiag.collectors import keys as K
 # grad/found (unchecked gradients), the loss (real or a trainer's filtered one), the tokens of a batch
 # and TRL's truncation (steps that measured nothing), the fp16 scaler (overflows, not NaN), the worst
 # token (the mismatch's position), and the likely causes' signatures.
-VERDICT_KEYS: tuple[str, ...] = (K.GRAD_FINITE, K.GRAD_NORM, K.GRAD_FOUND, K.LOSS, K.LOSS_UNFILTERED, K.BATCH_TOKENS,
+VERDICT_KEYS: tuple[str, ...] = (K.GRAD_FINITE, K.GRAD_NORM, K.GRAD_FOUND, K.GRAD_SKIPPED, K.LOSS, K.LOSS_UNFILTERED, K.BATCH_TOKENS,
                                  K.TRL_CLIPPED_RATIO, K.GRAD_SCALER_OVERFLOW, K.GRAD_LOSS_SCALE, *K.WORST_TOKEN_KEYS,
                                  *SIGNATURE_KEYS)
 

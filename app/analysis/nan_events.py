@@ -22,7 +22,9 @@ from rldiag.app.data.histories import Histories
 from rldiag.app.data.store import Store
 from rldiag.collectors import keys
 
-COLUMNS = ["run_id", "step", "grad_norm", "params", "n_params", "positions", "source"]
+# skipped: 1.0 the weights did not change there (policy skip, or a loss scaler skipped the step), 0.0 the optimizer
+# stepped on it, None unknown (an older rldiag, another trainer): the alert's field, else grad/skipped
+COLUMNS = ["run_id", "step", "grad_norm", "params", "n_params", "positions", "source", "skipped"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ def nan_events(h: Histories, store: Store | str | None, run_ids: Sequence[str] |
     for run_id in run_ids:
         by_step = {int(e["step"]): e for e in alerts.get(run_id, []) if "step" in e}
         steps = {b.step: b.grad_norm for b in bad_steps(h, run_id)}
+        logged = h.get(run_id, keys.GRAD_SKIPPED)
+        skipped = dict(zip(logged.steps.tolist(), logged.values.tolist())) if logged is not None else {}
         for step in sorted(set(steps) | set(by_step)):
             e = by_step.get(step, {})
             params = list(e.get("params", []))
@@ -141,5 +145,15 @@ def nan_events(h: Histories, store: Store | str | None, run_ids: Sequence[str] |
             rows.append({"run_id": run_id, "step": step, "grad_norm": float(norm),
                          "params": ", ".join(params), "n_params": len(params) if e else None,
                          "positions": _positions_text(e.get("positions", [])),
-                         "source": e.get("source", "alerts") if e else "metrics"})
+                         "source": e.get("source", "alerts") if e else "metrics",
+                         "skipped": _skipped(e.get("skipped"), skipped.get(step))})
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _skipped(alerted, logged) -> float | None:
+    """Whether the weights stayed as they were at a bad step: the alert's `skipped`, else grad/skipped."""
+    if isinstance(alerted, bool):
+        return 1.0 if alerted else 0.0
+    if logged is not None and logged == logged:  # not NaN
+        return 1.0 if logged >= 0.5 else 0.0
+    return None

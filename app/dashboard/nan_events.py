@@ -49,6 +49,9 @@ def episode_table(sel: Selection, episodes: list[Episode], alerts: dict | None =
         "samples / tokens": [ep.positions_text for ep in episodes],
         "source": [ep.source_text for ep in episodes],
     })
+    skipped = [ep.skipped_text for ep in episodes]
+    if any(x != "-" for x in skipped):  # whether the weights changed there, once the run said it
+        table.insert(4, "optimizer", skipped)
     origins = [origin_text(ep, alerts) for ep in episodes]
     if any(o != "-" for o in origins):  # where the NaN entered, once the collectors said it
         table.insert(4, "where it entered", origins)

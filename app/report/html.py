@@ -164,10 +164,10 @@ def _nan_episodes(c: ReportContent) -> str:
     labels = c.labels
     episodes = nan_episodes(ev, c.histories, [r.run_id for r in c.runs])
     rows = [([e(labels[ep.run_id]), e(ep.steps_text), fmt(len(ep.rows)), e(ep.norm_text),
-              e(origin_text(ep, c.alerts)), e(ep.params_text), e(ep.positions_text), e(ep.source_text)], "")
-            for ep in episodes]
-    table = _table(["run", "steps", "# steps", "grad norm", "where it entered", "parameters", "samples / tokens",
-                    "source"], rows, {2})
+              e(origin_text(ep, c.alerts)), e(ep.skipped_text), e(ep.params_text), e(ep.positions_text),
+              e(ep.source_text)], "") for ep in episodes]
+    table = _table(["run", "steps", "# steps", "grad norm", "where it entered", "optimizer", "parameters",
+                    "samples / tokens", "source"], rows, {2})
     budget = MAX_EVENT_ROWS
     details = []
     for ep in episodes:

@@ -62,6 +62,21 @@ class Episode:
         return ", ".join(f"{k} x{n}" for k, n in kinds.most_common())
 
     @property
+    def skipped_text(self) -> str:
+        """What the optimizer did there: "skipped: the weights did not change", "stepped on it (policy warn)",
+        "skipped at 3 of 5 steps", or "-" where the run did not say (an older rldiag, another trainer)."""
+        known = [v for v in self.rows.get("skipped", pd.Series(dtype=object)) if v is not None and not _isna(v)]
+        if not known:
+            return "-"
+        n, skipped = len(self.rows), sum(1 for v in known if v >= 0.5)
+        part = "" if len(known) == n else f" (said at {len(known)} of {n} steps)"
+        if skipped == len(known):
+            return f"skipped: the weights did not change{part}"
+        if skipped == 0:
+            return f"stepped on it: the weights took the non-finite update{part}"
+        return f"skipped at {skipped} of {len(known)} steps, stepped on the rest{part}"
+
+    @property
     def params_text(self) -> str:
         """What the alerts name: "30 parameter tensors, the same at every step", "2 to 5 parameter tensors
         (7 different)", or "not named (no rldiag alert for these steps)"."""

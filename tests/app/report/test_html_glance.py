@@ -57,10 +57,12 @@ def test_nan_section_is_one_row_per_episode_with_the_steps_behind_it(report):
     assert row[1:4] == [f"1-{STEPS}", str(STEPS), "NaN"]
     # where it entered, as the collectors' alert says (the padded tokens of the loss's backward)
     assert html.unescape(row[4]).startswith("NaN entered from the loss's backward (the loss was finite)")
-    assert row[5] == "30 parameter tensors, the same at every step"
+    # the experiment's policy is skip: the optimizer did not step on these gradients
+    assert row[5] == "skipped: the weights did not change"
+    assert row[6] == "30 parameter tensors, the same at every step"
     # the padded samples, each with its count of token positions: "micro-batch 1 sample 0: 21 token positions; ..."
     assert re.fullmatch(r"micro-batch \d sample \d: \d+ token positions(; micro-batch \d sample \d: \d+ token "
-                        r"positions)*", row[6]), row[6]
+                        r"positions)*", row[7]), row[7]
     # the detail is folded: the names once, every step's positions in a closed <details>
     details = re.findall(r"<details>.*?</details>", nan, re.S)[0]
     assert details.count("head.weight") == 1 and details.count("<tr") == STEPS + 1  # header + one per step
