@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from rldiag.app.cli.options import CliError, add_detector_option, add_tracking_option, store_failed
@@ -48,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"rldiag report: {msg}", file=sys.stderr, flush=True)
 
+    # before the store is read and the report built (seconds to minutes): a folder it cannot write is one line now
+    for path in ([out] if args.all_groups else [html_path, md_path]):
+        _check_writable(path if args.all_groups else path.parent)
     if args.all_groups:
         if args.group or args.reference or args.candidate or args.html or args.markdown:
             raise CliError("--all-groups writes every group's report into --out DIR/<group>/; drop --group, "
@@ -70,6 +74,17 @@ def run(args: argparse.Namespace) -> int:
     for line in departure_lines(report):
         print(line)
     return 0
+
+
+def _check_writable(folder: Path) -> None:
+    """CliError naming `folder` and the fix unless the report can be written there (made if missing)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".rldiag-write-check-"):
+            pass
+    except OSError as e:
+        raise CliError(f"cannot write the report into {str(folder)!r} ({e.strerror or e}); pass --out DIR (or "
+                       "--html/--markdown FILE) somewhere writable") from None
 
 
 def comparable_groups(tracking_uri: str | None, experiment: str | None) -> list[str]:

@@ -102,3 +102,13 @@ def test_no_command_help_imports_a_heavy_library():
         args = [command, "--help"] if command else ["--help"]
         out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.strip() == "[]", (command, out.stdout, out.stderr[-500:])
+
+
+def test_report_into_an_unwritable_folder_fails_before_reading_the_store(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for args in (["--group", "g", "--out", str(blocker / "reports")], ["--all-groups", "--out", str(blocker)]):
+        out = rldiag("report", *args, cwd=tmp_path)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"rldiag report: error: cannot write the report into '{blocker}"), out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no store opened, nothing written
