@@ -84,10 +84,11 @@ class NonFiniteGradAlert(StepEvent):
         order = " (in backward order)" if origin.get("order") in ("autograd", "hooks") else ""
         return (
             f"rldiag: non-finite gradients in run {name} at step {self.step}: grad_norm={self.grad_norm}; "
-            f"{entered}{len(self.params)} parameter tensor(s){order}: {shown}{where}{self._outcome()}"
+            f"{entered}{len(self.params)} parameter tensor(s){order}: {shown}{where}{self.outcome()}"
         )
 
-    def _outcome(self) -> str:
+    def outcome(self) -> str:
+        """What the step did to the weights, where known: "; skipped: the weights did not change", ..."""
         if self.skipped:
             return "; skipped: the weights did not change"
         if self.policy == "warn":

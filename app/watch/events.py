@@ -45,7 +45,7 @@ class WatchAlert:
         where = f" in experiment {self.experiment!r}" if self.experiment else ""
         cause = f"; {self.cause}" if self.cause else ""
         at = at_step(a.step, self.logged_at)
-        return f"rldiag watch: non-finite gradients in run {name}{where} {at}: {flagged}{cause}"
+        return f"rldiag watch: non-finite gradients in run {name}{where} {at}: {flagged}{a.outcome()}{cause}"
 
     def as_dict(self) -> dict:
         d = self.alert.as_dict()

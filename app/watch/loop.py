@@ -66,7 +66,7 @@ log = logging.getLogger("rldiag.watch")
 # that measured nothing (every token masked).
 WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, keys.LOSS_UNFILTERED,
                                keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE, keys.BATCH_TOKENS,
-                               keys.TRL_CLIPPED_RATIO)
+                               keys.TRL_CLIPPED_RATIO, keys.GRAD_SKIPPED)
 ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
 # ---- the watcher ---------------------------------------------------------------------------------
 class _Shared:
@@ -195,8 +195,14 @@ class Watcher:
         disp = self._dispatcher(run_id, rs)
         cause = _cause(self._h, run)
         at = logged_by_order(self._h, [run_id], [keys.GRAD_NORM, keys.GRAD_FINITE]).values()
+        policy = run.data.params.get(keys.PARAM_NONFINITE_POLICY)  # the run's own, where rldiag watched it
+        skipped = self._h.get(run_id, keys.GRAD_SKIPPED)
+        skipped = dict(zip(skipped.steps.tolist(), skipped.values.tolist())) if skipped is not None else {}
         for b in todo:
-            disp.emit(WatchAlert(NonFiniteGradAlert(run_id, b.step, b.grad_norm, [], run_name=name), b.values,
+            done = skipped.get(b.step)  # grad/skipped: 1 the weights did not change, 0 the optimizer stepped
+            alert = NonFiniteGradAlert(run_id, b.step, b.grad_norm, [], run_name=name, policy=policy,
+                                       skipped=None if done is None or done != done else done >= 0.5)
+            disp.emit(WatchAlert(alert, b.values,
                                  experiment, cause, next(iter(at), None)))
             rs.mark(b.step)
         self.state.save()  # per run, so a crash repeats as little as possible

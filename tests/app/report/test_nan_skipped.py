@@ -41,3 +41,16 @@ def test_a_run_that_did_not_say_is_not_guessed():
                          "positions": ["", ""], "source": ["metrics"] * 2, "skipped": [None, 1.0]})
     assert Episode("r", rows).skipped_text == "skipped: the weights did not change (said at 1 of 2 steps)"
     assert Episode("r", rows.assign(skipped=[None, None])).skipped_text == "-"
+
+
+@pytest.mark.parametrize(("policy", "said"), [("skip", "; skipped: the weights did not change"),
+                                              ("warn", "; policy warn: the optimizer stepped on it")])
+def test_the_watcher_says_it_too(policy, said, store_uri):
+    from rldiag.app.watch.loop import watch_once
+
+    res = run_loop(LoopConfig(steps=3, nan_at=5, policy=policy, experiment=f"watch-{policy}"), tracking_uri=store_uri,
+                   progress=False)
+    _, events = watch_once(store_uri)
+    [event] = [e for e in events if e["run_id"] == res.run_id and e.get("kind") == "nonfinite_grad"]
+    assert event["step"] == 5 and said in event["text"], event["text"]
+    assert event["skipped"] is (policy == "skip") and event["policy"] == policy
