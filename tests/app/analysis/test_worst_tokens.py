@@ -95,7 +95,10 @@ def test_a_real_engine_step_logs_the_token_where_they_disagree_most(sqlite_uri: 
     from rldiag.collectors.integrations.vllm_engine import Engine, EngineConfig, engine_kwargs, set_engine_env
     from rldiag.experiments.tiny_hf_model import VLLM_TINY_QWEN2, build_tiny_qwen2, save_tiny_qwen2
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: a 2-7 s start
+    # The engine core in its own process (~20 s to start, not 2-7 s in-process): vLLM's CPU platform scans every
+    # module's globals at start (triton_utils/dispatcher.py, hasattr on each), and a werkzeug LocalProxy that an
+    # earlier test in this worker imported (flask, through mlflow.server) raises there outside an app context.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     set_engine_env()
     save_tiny_qwen2(tmp_path / "m", 64, 0, initializer_range=0.1, **VLLM_TINY_QWEN2)
     model = build_tiny_qwen2(64, 0, initializer_range=0.1, **VLLM_TINY_QWEN2).float().eval()
