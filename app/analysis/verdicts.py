@@ -117,9 +117,15 @@ class VerdictRow(NamedTuple):
 
 def verdict_rows(comparison, labels: Mapping[str, str]) -> list[VerdictRow]:
     """One `VerdictRow` per candidate of a `rldiag.app.compare` result, in candidate order."""
+    return rows_of(comparison.summaries, comparison.causes, labels)
+
+
+def rows_of(summaries: Sequence, causes: Sequence, labels: Mapping[str, str]) -> list[VerdictRow]:
+    """`verdict_rows` from a comparison's per-candidate summaries and likely causes (as a report keeps them)."""
+    by_run = {c.run_id: c for c in causes}
     rows = []
-    for v in comparison.verdicts:
-        s = v.summary
+    for s in summaries:
+        found = by_run.get(s.run_id)
         if s.first_nonfinite_step is not None:
             departs = f"grad/finite 0 at step {s.first_nonfinite_step}"
         elif s.first is not None:
@@ -128,7 +134,7 @@ def verdict_rows(comparison, labels: Mapping[str, str]) -> list[VerdictRow]:
             departs = f"{d.key} from step {d.onset_step}{alert}"
         else:
             departs = "-"
-        cause = v.causes.first
-        rows.append(VerdictRow(labels.get(v.run_id, v.run_id), STATUS_WORDS.get(v.status, v.status), departs,
+        cause = found.first if found is not None else None
+        rows.append(VerdictRow(labels.get(s.run_id, s.run_id), STATUS_WORDS.get(s.status, s.status), departs,
                                cause.title if cause is not None else "-", cause.fix if cause is not None else ""))
     return rows

@@ -15,6 +15,7 @@ from rldiag.app.analysis.config_diff import shared_values, value_key
 from rldiag.app.analysis.divergence import sigma_cell
 from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.analysis.step_events import step_event_lines
+from rldiag.app.analysis.verdicts import rows_of
 from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
@@ -98,9 +99,15 @@ def _runs(c: ReportContent) -> str:
 
 
 def _verdict(c: ReportContent) -> str:
-    """One line per candidate (`headline`): the first thing the page says."""
+    """One line per candidate (`headline`): the first thing the page says; then, as the Compare page shows it
+    above its charts, each candidate's verdict, departure, likely cause and fix."""
     labels = c.labels
-    return "<ul>" + "".join(f"<li>{e(headline(s, labels[s.run_id]))}</li>" for s in c.summaries) + "</ul>"
+    lines = "<ul>" + "".join(f"<li>{e(headline(s, labels[s.run_id]))}</li>" for s in c.summaries) + "</ul>"
+    rows = rows_of(c.summaries, c.causes, labels)
+    if not any(r.departs != "-" or r.cause != "-" for r in rows):
+        return lines
+    return lines + _table(["candidate", "verdict", "departs", "likely cause", "fix"],
+                          [([e(x) for x in r], "hit" if r.departs != "-" else "") for r in rows])
 
 
 def _divergence(c: ReportContent) -> str:

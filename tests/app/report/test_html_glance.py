@@ -125,3 +125,15 @@ def test_report_in_chromium_is_short_with_charts_first_and_legends_clear_of_the_
     # 6 runs x 12 steps: the page was 20,926 px at 6 runs x 40 steps before the NaN episodes; each of
     # these 24 NaN steps used to be a table row of about 130 px (30 names), now one row a run and a folded list.
     assert height < 6000, height
+
+
+def test_the_verdict_section_says_why_before_any_chart(report):
+    """As the Compare page above its charts: per candidate its verdict, where it departs, its likely cause and
+    the fix, in the report's first section."""
+    rep, _ = report
+    verdict = _section(rep.html, "verdict")
+    assert "<th>likely cause</th>" in verdict and rep.html.index('id="verdict"') < rep.html.index('id="charts"')
+    rows = {r[0]: r[1:] for r in _rows(verdict)}
+    for name in ("unmasked-b1xa2", "unmasked-b2xa1"):
+        assert rows[name][:2] == ["non-finite gradients", "grad/finite 0 at step 1"], rows[name]
+        assert rows[name][2].startswith("-inf padding") and "mask padding" in rows[name][3], rows[name]
