@@ -83,14 +83,14 @@ class Report:
 
 def render_report(histories: Histories, store: Store, reference_ids: Sequence[str],
                   candidate_ids: Sequence[str], *, keys: Sequence[str] | None = None,
-                  options: ChartOptions | None = None) -> Report:
+                  options: ChartOptions | None = None, plotly_src: str | None = None) -> Report:
     """The report for runs whose metrics are already in `histories`; `store` gives their names, params,
     tags and alert files. `keys`: the metrics to chart and compare (default: the canonical ones any of
     the runs logged). ValueError names ids that are missing, empty or in both roles."""
     require_store(store)
     content = report_content(histories, store, reference_ids, candidate_ids, keys=keys, options=options,
                              divergence_config=DivergenceConfig.from_env())
-    return Report(render_html(content), render_markdown(content), content)
+    return Report(render_html(content, plotly_src=plotly_src), render_markdown(content), content)
 
 
 def _ids(v: str | Sequence[str] | None) -> list[str]:
@@ -149,7 +149,8 @@ def resolve_runs(store: Store, *, reference: str | Sequence[str] | None = None,
 def build_report(tracking_uri: str | None = None, *, reference: str | Sequence[str] | None = None,
                  candidates: str | Sequence[str] | None = None, group: str | None = None,
                  experiment: str | None = None, keys: Sequence[str] | None = None,
-                 options: ChartOptions | None = None, progress: Callable[[str], None] | None = None) -> Report:
+                 options: ChartOptions | None = None, progress: Callable[[str], None] | None = None,
+                 plotly_src: str | None = None) -> Report:
     """Find the runs (`resolve_runs`), load their histories and render the report.
 
     `keys` default: the canonical metrics any of the runs logged. `progress` receives one line per
@@ -178,7 +179,7 @@ def build_report(tracking_uri: str | None = None, *, reference: str | Sequence[s
     histories = _load(store, ids, list(load_keys(keys)))
     n = sum(len(t) for t in histories.traces.values())
     say(f"loaded {n:,} points in {time.monotonic() - t0:.1f} s; comparing and drawing ...")
-    report = render_report(histories, store, refs, cands, keys=keys, options=options)
+    report = render_report(histories, store, refs, cands, keys=keys, options=options, plotly_src=plotly_src)
     say(f"report built in {time.monotonic() - t0:.1f} s")
     return report
 

@@ -240,18 +240,24 @@ def _worst(c: ReportContent) -> str:
     return f'<section id="worst"><h2>Worst tokens (trainer vs engine)</h2><ul>{items}</ul></section>\n'
 
 
-def render_html(c: ReportContent) -> str:
-    """The whole page; see the module docstring."""
+PLOTLY_FILE = "plotly.min.js"  # `rldiag report --all-groups` writes it once beside the group folders
+
+
+def render_html(c: ReportContent, *, plotly_src: str | None = None) -> str:
+    """The whole page; see the module docstring. `plotly_src`: a relative path to plotly.js (a file written
+    once beside many reports, `PLOTLY_FILE`) instead of its 4.8 MB inlined in the page."""
+    csp, plotly = (CSP, f"<script>{plotly_js()}</script>") if plotly_src is None else (
+        CSP.replace("script-src ", "script-src 'self' file: ", 1), f'<script src="{e(plotly_src)}"></script>')
     charts = "".join(f'<div class="chart" id="chart-{i}" data-key="{e(k)}"></div>' for i, k in enumerate(c.keys))
     specs = "\n".join(f'<script type="application/json" data-chart="chart-{i}">{_figure_json(c.figures[k])}</script>'
                       for i, k in enumerate(c.keys))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="{CSP}">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>rldiag report: {e(c.title)}</title>
 <style>{_CSS}</style>
-<script>{plotly_js()}</script>
+{plotly}
 </head><body>
 <header><h1>rldiag report: {e(c.title)}</h1>
 <p class="meta">Store {e(c.store_uri)} &middot; generated {e(c.generated_utc)} &middot; {len(c.keys)} metrics

@@ -29,6 +29,13 @@ def test_one_report_per_comparable_group(store_uri, tmp_path):
     assert (tmp_path / "v0_vs_v1" / "rldiag-report.html").exists()
     assert (tmp_path / "masked_vs_unmasked" / "rldiag-report.md").exists()
     assert not (tmp_path / "refs-only").exists()  # no candidate: nothing to compare
+    # plotly.js once beside the group folders; each group's page refers to it and stays small
+    assert (tmp_path / "plotly.min.js").stat().st_size > 3_000_000
+    for group in ("v0_vs_v1", "masked_vs_unmasked"):
+        page = (tmp_path / group / "rldiag-report.html").read_text()
+        assert len(page.encode()) < 500_000 and '<script src="../plotly.min.js"></script>' in page, len(page)
+    drawn = _charts_drawn(tmp_path / "v0_vs_v1" / "rldiag-report.html")
+    assert drawn >= 1, drawn  # opened from disk, the shared plotly.js loads under the page's CSP and draws
     v1 = r.stdout.split("## group v0_vs_v1")[1]
     assert "v0_vs_v1-cand: policy/ratio_mean leaves the reference band at step" in v1
     assert "\n  no likely cause: " in v1 or "\n  likely: " in v1  # its cause line, indented under it
@@ -37,3 +44,15 @@ def test_one_report_per_comparable_group(store_uri, tmp_path):
     bad = subprocess.run([str(exe), "report", "--all-groups", "--group", "x", "--tracking-uri", store_uri],
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "drop --group" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _charts_drawn(path: Path) -> int:
+    """How many of the page's charts plotly drew, opened from disk in Chromium."""
+    from tests.browser import chromium
+
+    with chromium() as browser:
+        page = browser.new_page()
+        page.goto(path.as_uri())
+        page.wait_for_function("() => [...document.querySelectorAll('.chart')].every(c => c._fullLayout)",
+                               timeout=120_000)
+        return page.evaluate("() => [...document.querySelectorAll('.chart')].filter(c => c._fullLayout).length")
