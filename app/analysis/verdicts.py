@@ -109,7 +109,7 @@ class VerdictRow(NamedTuple):
     """A candidate in one line: its verdict, where it first departs and why (`verdict_rows`)."""
 
     run: str  # its label
-    verdict: str  # STATUS_WORDS of its status
+    verdict: str  # STATUS_WORDS of its status; "within the band" only for a clean candidate no cause fits
     departs: str  # "grad/finite 0 at step 1", "policy/clip_rate from step 3, alerted at step 8", or "-"
     cause: str  # the first likely cause's title, or "-"
     fix: str  # that cause's fix, or ""
@@ -135,6 +135,11 @@ def rows_of(summaries: Sequence, causes: Sequence, labels: Mapping[str, str]) ->
         else:
             departs = "-"
         cause = found.first if found is not None else None
-        rows.append(VerdictRow(labels.get(s.run_id, s.run_id), STATUS_WORDS.get(s.status, s.status), departs,
+        verdict = STATUS_WORDS.get(s.status, s.status)
+        if s.status == "within" and not s.clean:  # a metric stops early, on too few steps, gradients unchecked...
+            verdict = "no departure found, not an all-clear"
+        elif s.status == "within" and cause is not None:  # its own signature, outside the band test
+            verdict = "no departure from the band, but a likely cause fits"
+        rows.append(VerdictRow(labels.get(s.run_id, s.run_id), verdict, departs,
                                cause.title if cause is not None else "-", cause.fix if cause is not None else ""))
     return rows

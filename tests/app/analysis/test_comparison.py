@@ -102,3 +102,17 @@ def test_the_report_and_the_dashboards_build_report_say_the_same(runs):
     assert "gradients not checked at 10 steps (10-19; grad/found 0)" in cli.markdown
     assert _body(dash.markdown) == _body(cli.markdown)
     assert "Detector options: defaults." in cli.markdown and "detector options: defaults" in cli.html
+
+
+def test_the_one_line_rows_never_say_within_the_band_for_a_candidate_that_is_not_clean(runs):
+    """The Compare page's and the experiments' table: a candidate with no departure but unchecked gradients
+    is "not an all-clear", never "within the band"; the clean seed is."""
+    from rldiag.app.analysis.verdicts import verdict_rows
+
+    _, ids, h, params = runs
+    refs, cands = [ids["ref0"], ids["ref1"]], [ids["seed"], ids["unchecked"]]
+    c = compare(h, refs, cands, CompareOptions(SHOWN), params=params)
+    rows = {r.run: r for r in verdict_rows(c, {ids["seed"]: "seed", ids["unchecked"]: "unchecked"})}
+    assert c.verdicts[1].status == "within"  # the band test alone would say "within"
+    assert rows["unchecked"].verdict == "no departure found, not an all-clear", rows["unchecked"]
+    assert rows["seed"].verdict == "within the band" and rows["seed"].departs == "-"
