@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rldiag.app.importers import compat_tensorboard as compat
-from rldiag.app.importers.common import Poll, whole_records
+from rldiag.app.importers.common import Poll, read_whole_records
 
 EXPERIMENT = "tensorboard"
 EVENTS = "tfevents"  # event files are named events.out.tfevents.<time>.<host>...
@@ -71,30 +71,12 @@ class TensorBoardRun:
         return out
 
     def _read(self, f: Path, out: Poll, final: bool, limit: int) -> None:
-        done = self._offsets.get(f, 0)
-        try:
-            for end, record in whole_records(f, done, compat.read_records):
-                try:
-                    for s in compat.parse_event(record, self._scalar_tags, self._hparams):
-                        out.points.append((s.tag, s.step, s.wall_ms, s.value))
-                except Exception as e:  # noqa: BLE001 - a record that passed its CRC but does not parse
-                    out.problems.append(f"{f}: the record at byte {done} is not a TensorBoard event "
-                                        f"({type(e).__name__}); skipped it")
-                done = end
-                if len(out.points) >= limit:
-                    out.more = True
-                    break
-            size = f.stat().st_size
-        except compat.CorruptRecord as e:
-            out.problems.append(f"{f}: corrupt at byte {e.offset} ({e.why}); the records before it were "
-                                "imported, the rest of this file is skipped")
+        def parse(record: bytes, out: Poll) -> None:
+            for s in compat.parse_event(record, self._scalar_tags, self._hparams):
+                out.points.append((s.tag, s.step, s.wall_ms, s.value))
+
+        self._offsets[f], broken = read_whole_records(f, self._offsets.get(f, 0), compat, parse, out, limit=limit,
+                                                      final=final, what="a TensorBoard event",
+                                                      writer="its writer")
+        if broken:
             self._broken.add(f)
-        except OSError as e:
-            out.problems.append(f"{f}: cannot read it ({e.strerror or e}); the records before byte {done} were "
-                                "imported, the rest of this file is skipped")
-            self._broken.add(f)
-        self._offsets[f] = done
-        if final and not out.more and f not in self._broken and done < size:
-            out.problems.append(f"{f}: ends in a partial record ({size - done} bytes at byte {done}): "
-                                "still being written, or cut short; the whole records before it were imported "
-                                "(import again, or use --follow, once its writer has flushed)")

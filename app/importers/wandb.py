@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from rldiag.app.importers import compat_wandb as compat
-from rldiag.app.importers.common import Poll, whole_records
+from rldiag.app.importers.common import Poll, read_whole_records
 
 EXPERIMENT = "wandb"
 
@@ -72,32 +72,9 @@ class WandbRun:
                                     "':W&B'); skipped")
                 return out
             self._offset = len(head)
-        done = self._offset
-        try:
-            for end, data in whole_records(self.file, done, compat.read_records):
-                try:
-                    self._record(data, out)
-                except Exception as e:  # noqa: BLE001 - a record that passed its CRC but does not parse
-                    out.problems.append(f"{self.file}: the record at byte {done} is not a W&B record "
-                                        f"({type(e).__name__}); skipped it")
-                done = end
-                if len(out.points) >= limit:
-                    out.more = True
-                    break
-            size = self.file.stat().st_size
-        except compat.CorruptRecord as e:
-            self._broken = True
-            out.problems.append(f"{self.file}: corrupt at byte {e.offset} ({e.why}); the records before it were "
-                                "imported, the rest of this file is skipped")
-        except OSError as e:
-            self._broken = True
-            out.problems.append(f"{self.file}: cannot read it ({e.strerror or e}); the records before byte {done} "
-                                "were imported, the rest of this file is skipped")
-        self._offset = done
-        if final and not out.more and not self._broken and done < size:
-            out.problems.append(f"{self.file}: ends in a partial record ({size - done} bytes at byte {done}): still "
-                                "being written, or cut short; the whole records before it were imported (import "
-                                "again, or use --follow, once wandb has written it)")
+        self._offset, broken = read_whole_records(self.file, self._offset, compat, self._record, out, limit=limit,
+                                                  final=final, what="a W&B record", writer="wandb")
+        self._broken = self._broken or broken
         out.ended = self._ended
         return out
 
