@@ -6,6 +6,9 @@ Terms, as used here and in every product:
 - range: the reference seeds' min-max at a step, widened (`range_text`); never below 0 for a metric
   that cannot be negative (`NON_NEGATIVE`);
 - band: the divergence detector's noise band around the references;
+- alert: the step a watcher polling every step first reports a departure at (`Departure.alert_step`);
+- onset: where the departure started, placed after the fact (`Departure.onset_step`, at or before the
+  alert); every product says both, one way (`when_text`): "alerted at step A (started about step O)";
 - a departure's size: in metric units for a level, in noise terms for a variance (`departure_size`).
 Sources are cited by what they say, never by a file path.
 """
@@ -85,6 +88,14 @@ def same_params_note(params: Mapping[str, str], references: Sequence[Mapping[str
     return f"its params equal a reference's, {shown} included (a rerun of the same configuration)"
 
 
+def when_text(onset_step: int | None, alert_step: int | None) -> str:
+    """When a departure happened, worded once for the report, the page, the chart marker and the watcher:
+    "alerted at step A (started about step O)", "at step O" where the alert is the onset (or unknown)."""
+    if alert_step is None or onset_step is None or alert_step == onset_step:
+        return f"at step {onset_step if onset_step is not None else alert_step}"
+    return f"alerted at step {alert_step} (started about step {onset_step})"
+
+
 def check_failed(check: str, e: Exception) -> str:
     """ "cause check failed: padding (TypeError: ...)", the error's first line only."""
     first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -110,7 +121,7 @@ class VerdictRow(NamedTuple):
 
     run: str  # its label
     verdict: str  # STATUS_WORDS of its status; "within the band" only for a clean candidate no cause fits
-    departs: str  # "grad/finite 0 at step 1", "policy/clip_rate from step 3, alerted at step 8", or "-"
+    departs: str  # "grad/finite 0 at step 1", "policy/clip_rate alerted at step 8 (started about step 3)", or "-"
     cause: str  # the first likely cause's title, or "-"
     fix: str  # that cause's fix, or ""
 
@@ -130,8 +141,7 @@ def rows_of(summaries: Sequence, causes: Sequence, labels: Mapping[str, str]) ->
             departs = f"grad/finite 0 at step {s.first_nonfinite_step}"
         elif s.first is not None:
             d = s.first
-            alert = f", alerted at step {d.alert_step}" if d.alert_step is not None else ""
-            departs = f"{d.key} from step {d.onset_step}{alert}"
+            departs = f"{d.key} {when_text(d.onset_step, d.alert_step)}"
         else:
             departs = "-"
         cause = found.first if found is not None else None

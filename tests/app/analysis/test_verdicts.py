@@ -102,3 +102,10 @@ def test_sources_are_cited_by_their_content_never_by_a_path():
         assert "shared/" not in text and ".txt" not in text and "seeds/" not in text, text
     assert "processed_logprobs" in V.SOURCE_PIPELINERL and "fp32 lm_head" in V.SOURCE_PIPELINERL
     assert "variable completion length" in V.SOURCE_TRL
+
+
+def test_when_text_says_alert_and_onset_one_way():
+    from rldiag.app.analysis.verdicts import when_text
+    assert when_text(3, 8) == "alerted at step 8 (started about step 3)"
+    assert when_text(5, 5) == "at step 5"
+    assert when_text(5, None) == "at step 5"
