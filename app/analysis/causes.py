@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from rldiag.app.analysis import causes_settings as S
 from rldiag.app.analysis import verdicts as V
+from rldiag.app.analysis.causes_is import is_cause, with_is_evidence
 from rldiag.app.analysis.causes_signatures import (
     SIGNATURE_KEYS,
     NonFiniteSignature,
@@ -47,7 +48,7 @@ class Cause:
     """One likely cause: what matched in the metrics, which settings explain it, the fix, the source."""
 
     id: str  # raw_logprobs, recompute_sampling, logprob_semantics, engine_precision, lm_head_precision,
-    # numerics, prefix_cache, stale_weights, padding_inf, nan_filter, optimizer
+    # numerics, prefix_cache, stale_weights, padding_inf, nan_filter, optimizer, is_degenerate
     title: str
     signature: tuple[str, ...]  # the metric evidence, in metric units
     settings: tuple[str, ...]  # params / fingerprint entries that differ or are risky in themselves
@@ -332,8 +333,13 @@ def _optimizer(r: _Run) -> list[Cause]:
                   step=step)]
 
 
+def _is_weights(r: _Run) -> list[Cause]:
+    """An ESS drop with a rising mismatch: the importance weights degenerate (`causes_is`)."""
+    return is_cause(r.h, r.run, r.refs, r.params, Cause)
+
+
 RULES: tuple[Callable[[_Run], list[Cause]], ...] = (_semantics, _precision, _after_updates, _padding, _nan_filter,
-                                                    _optimizer)
+                                                    _optimizer, _is_weights)
 
 
 def likely_causes(histories: Histories, configs: Mapping[str, object], reference_ids: Sequence[str],
@@ -366,13 +372,12 @@ def likely_causes(histories: Histories, configs: Mapping[str, object], reference
                 causes += rule(r)
             except Exception as e:  # noqa: BLE001 - one check's bug never hides the others or the report
                 failed.append(V.check_failed(rule.__name__.strip("_").replace("_", " "), e))
-        causes.sort(key=lambda c: (bool(c.hint), c.step))  # confirmed by a setting first, then earliest
+        causes = with_is_evidence(sorted(causes, key=lambda c: (bool(c.hint), c.step)))  # confirmed first, earliest
         also = S.also_differs(mine, r.diffs, r.cited)
         notes = []
         if not causes:
-            if not r.diffs:
-                if mine or any(ref_params):  # neither logged params: nothing to say, no line for each candidate
-                    notes.append(V.same_params_note(mine, ref_params) if mine else "it logged no params to compare")
+            if not r.diffs and (mine or any(ref_params)):  # neither logged params: nothing to say, no line each
+                notes.append(V.same_params_note(mine, ref_params) if mine else "it logged no params to compare")
             if r.nonfinite is not None:
                 notes.append(f"non-finite gradients from step {r.nonfinite.steps[0]}: no known signature fits; "
                              "the NaN events page names the parameters")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rldiag.app.analysis.is_health import IS_KEYS
 from rldiag.app.data.histories import Histories
 from rldiag.collectors import keys as K
 
@@ -34,7 +35,7 @@ POLICY_KEYS = (K.ENTROPY, K.REWARD_MEAN, K.GRAD_NORM, K.KL_REF, K.LOSS, K.CLIP_R
                K.KL_NEW_OLD)
 # What the signatures read: loaders add these to what they chart.
 SIGNATURE_KEYS = (K.MISMATCH_LOGPROB_MEAN, K.MISMATCH_LOGPROB_MAX, K.RATIO_MEAN, K.KL_NEW_OLD_K1, K.GRAD_FINITE,
-                  K.GRAD_NORM, K.LOSS, *POLICY_KEYS)
+                  K.GRAD_NORM, K.LOSS, *POLICY_KEYS, *IS_KEYS)
 
 
 def _value(h: Histories, run: str, key: str, step: int) -> float | None:
