@@ -142,14 +142,16 @@ class DivergenceConfig:
 
 @dataclass(frozen=True)
 class Band:
-    """The reference band on the compared steps (for a chart to shade) and the candidate smoothed."""
+    """The band one trailing-median test uses on the compared steps (for a chart to shade) and the
+    candidate's trailing median it compares with it: that median outside the band is a level departure."""
 
     steps: np.ndarray
     center: np.ndarray
-    lower: np.ndarray  # the shortest window's bar around the centre, metric units
+    lower: np.ndarray  # `window`'s bar (and the min_delta/rel_delta floor) around the centre, metric units
     upper: np.ndarray
     noise: np.ndarray  # the references' point noise (one sd, compared scale), per step
-    candidate: np.ndarray  # the candidate's trailing median over the shortest window, same steps
+    candidate: np.ndarray  # the candidate's trailing median over `window` compared points, same steps
+    window: int = 0  # the trailing median's length, in compared points
 
 
 DIVERGED, WITHIN, NOT_ENOUGH_STEPS = "diverged", "within", "not_enough_steps"  # Divergence.status
@@ -378,16 +380,42 @@ def _residual(references: Sequence[Trace], candidate: Trace, config: DivergenceC
     return model, steps, raw, pos, cand, ct, center_t, r
 
 
-def compute_band(references: Sequence[Trace], candidate: Trace,
-                 config: DivergenceConfig = DivergenceConfig()) -> tuple[Band, np.ndarray, np.ndarray]:
-    """The band on the candidate's compared steps; also the candidate's raw values and the
-    reference-finite mask (all True: only such steps are compared)."""
+def compute_band(references: Sequence[Trace], candidate: Trace, config: DivergenceConfig = DivergenceConfig(),
+                 window: int | None = None) -> tuple[Band, np.ndarray, np.ndarray]:
+    """The band of one trailing-median level test on the candidate's compared steps; also the
+    candidate's raw values and the reference-finite mask (all True: only such steps are compared).
+
+    `window` (one of `config.windows`; None: the longest the candidate fills) picks the test. The band is
+    its bar around the centre (wider where the window is only partly filled, and by the
+    min_delta/rel_delta floor), and `Band.candidate` the centre plus the trailing median of the
+    candidate's residual over as many points: outside the band exactly where that test flags a level
+    departure. The longest window's bar is the narrowest, the one a lasting shift crosses; the shortest's
+    is 2-3 times as wide (8.6 noise sd against 3.4 on AR(0.6) references), so drawn alone it held a
+    candidate the longest window flagged. Bursts (shorter windows), the change test, variance and
+    non-finite departures are tested apart: not this band."""
+    from rldiag.app.analysis.detector import level_residual, min_points, partial_sd, thinned_phi
+
     model, steps, raw, _pos, _cand, ct, center_t, _r = _residual(references, candidate, config)
-    half = model.noise.threshold[0] * model.noise.null_sd[0]
+    noise = model.noise
+    if window is None:
+        window = max([m for m in config.windows if min_points(m) <= len(steps)] or [config.windows[0]])
+    if window not in config.windows:
+        raise ValueError(f"window={window}: use one of the detector's windows {config.windows}")
+    i = config.windows.index(window)
     with quiet():
-        smooth = rolling(ct, config.windows[0], "median", center=False, min_periods=1)
+        resid = ct - center_t
+        x = level_residual(resid, noise, config)  # as the test reads it: its finite points alone if zeros are out
+        own = noise.own_sd[i] if noise.own_sd else 0.0
+        sd = partial_sd(x, window, thinned_phi(noise.phi, noise.fill), noise.null_sd[i], own)
+        med = rolling(x, window, "median", center=False, min_periods=min_points(window))  # the test's median
+        sd = np.broadcast_to(sd, x.shape)
+        if len(x) != len(steps):  # back onto every compared step: a left-out zero keeps the last value
+            at = np.flatnonzero(np.isfinite(resid))
+            idx = np.maximum(np.searchsorted(at, np.arange(len(steps)), side="right") - 1, 0)
+            med, sd = (med[idx], sd[idx]) if len(at) else (np.full(len(steps), np.nan),) * 2
+        half = noise.threshold[i] * sd + _floor(model, center_t, config)
     band = Band(steps, _inverse(model, center_t), _inverse(model, center_t - half), _inverse(model, center_t + half),
-                np.full(len(steps), model.noise.sigma), _inverse(model, smooth))
+                np.full(len(steps), noise.sigma), _inverse(model, center_t + med), window)
     return band, raw, np.ones(len(steps), bool)
 
 

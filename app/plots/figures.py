@@ -8,12 +8,15 @@ drawn in the run's own colour (`run_colors`: from the run, not its place in the 
 reference runs wider and on top. Every NaN, +inf and -inf point is a marker of its own in a thin
 strip above the plot area, on an axis of its own (`yaxis2`), so the data axis scales to the data
 alone and no marker reads as a value: one row per run that has such points (two runs NaN at the
-same steps both show), NaN an x, +inf a triangle up, -inf a triangle down, each kind with its legend
-entry under its run; the strip's label names the kinds. On a log scale the values <= 0 break the
-line and are open circles in that strip, counted in the title. The legend is horizontal above the
-plot, its rows counted into the top margin. A candidate's divergence onset is a dashed vertical
-line (candidates leaving at one step split its height) and a diamond on the candidate's curve
-(diamonds at one step nest, the first the largest, so none hides another). Run
+same steps both show), NaN an x, +inf a triangle up, -inf a triangle down, in the run's colour;
+the strip's label names the kinds. On a log scale the values <= 0 break the line and are open
+circles in that strip, counted in the title. A candidate's first departure: a dashed vertical line
+at its onset (candidates starting at one step split its height), a light span of its colour from
+the onset to the alert, and a diamond on its curve at the alert (diamonds at one step nest, the
+first the largest, so none hides another), its hover text "alerted at step A (started about step
+O)" as `verdicts.when_text` words it everywhere. The legend is horizontal above the plot, its rows
+counted into the top margin: one entry per run (a click hides the run and its markers), and one
+key, the legend's title, to the marker kinds drawn ("× NaN  ▲ +inf  ◆ alert  ╎ onset"). Run
 names are escaped: plotly shows them as text in legends and hover labels, never as HTML.
 """
 
@@ -101,9 +104,10 @@ def _delta_traces(traces: Mapping[str, Trace], reference_ids: Sequence[str]) -> 
 
 
 def _marker(name: str, steps: np.ndarray, y: float, symbol: str, color: str, group: str, size: int = 9) -> dict:
-    """Markers in the strip above the plot (axis y2, row `y`), listed in the legend under their run."""
+    """Markers in the strip above the plot (axis y2, row `y`), under their run's legend entry (not one of
+    their own: the legend's key names the kinds)."""
     return dict(type="scatter", x=steps, y=np.full(len(steps), y, np.float32), mode="markers", name=name,
-                legendgroup=group, showlegend=True, yaxis="y2",
+                legendgroup=group, showlegend=False, yaxis="y2",
                 marker=dict(symbol=symbol, size=size, color=color, line=dict(width=1, color=color)),
                 hovertemplate=f"{name}<br>step %{{x}}<extra></extra>", cliponaxis=False)
 
@@ -151,6 +155,7 @@ def metric_figure(
     order = [r for r in shown if r not in refs] + [r for r in shown if r in refs]  # references drawn last, on top
     marked = 0  # runs with markers so far: each run has its own row of the strip, from the top
     kinds: dict[str, None] = {}  # the marker kinds drawn, for the strip's label
+    key_kinds: dict[str, None] = {}  # every marker kind drawn, for the legend's key (MARKER_KEY)
     seen: dict[str, int] = {}  # candidates drawn so far in each colour
     dropped_total = 0
     for run in order:
@@ -187,47 +192,24 @@ def metric_figure(
             row = float(marked)
             marked += 1
             if len(nf.nan):
-                kinds["NaN"] = None
+                kinds["NaN"] = key_kinds["NaN"] = None
                 data.append(_marker(name + NAN_SUFFIX, nf.nan, row, "x", color, run))
             if len(nf.posinf):
-                kinds["inf"] = None
+                kinds["inf"] = key_kinds["+inf"] = None
                 data.append(_marker(name + POSINF_SUFFIX, nf.posinf, row, "triangle-up", color, run))
             if len(nf.neginf):
-                kinds["inf"] = None
+                kinds["inf"] = key_kinds["-inf"] = None
                 data.append(_marker(name + NEGINF_SUFFIX, nf.neginf, row, "triangle-down", color, run))
             if dropped.any():
-                kinds["≤0"] = None
+                kinds["≤0"] = key_kinds["≤0"] = None
                 dropped_total += int(dropped.sum())
                 data.append(_marker(name + NONPOS_SUFFIX, _thin(t.steps[dropped], options.n_points), row,
                                     "circle-open", color, run, size=7))
-    onsets = {}
-    for run, div in (divergences or {}).items():
-        if run not in shown or not div.diverged:
-            continue
-        onset = div.onset_step
-        if (options.first is not None and onset < options.first) or (options.last is not None and onset > options.last):
-            continue
-        onsets.setdefault(onset, []).append((run, div))
-    for onset, at_step in onsets.items():
-        for j, (run, div) in enumerate(at_step):
-            t = shown[run]
-            i = int(np.searchsorted(t.steps, onset))
-            y = float(t.values[min(i, len(t) - 1)]) if len(t) else float("nan")
-            color = colors.get(run, PALETTE[0])
-            name = _text(DIVERGES_PREFIX + labels.get(run, run))
-            # Candidates leaving at one step share the height (one segment each), so no colour mixes.
-            n = len(at_step)
-            shapes.append(dict(type="line", x0=onset, x1=onset, xref="x", y0=j / n, y1=(j + 1) / n,
-                               yref="y domain", line=dict(color=color, dash="dash", width=1.5)))
-            data.append(dict(
-                type="scatter", x=[onset], y=[y if np.isfinite(y) else None], mode="markers", name=name,
-                legendgroup=run, showlegend=True,
-                # at one step, diamonds nest (the first the largest, drawn first), so every colour shows
-                marker=dict(symbol="diamond", size=11 + 6 * (n - 1 - j), color=color, line=dict(width=1, color="#000")),
-                hovertemplate=(f"{name}<br>from step %{{x}} ({div.kind}, " + (
-                    zero_rate_text(div.candidate_level, div.reference_level) if div.kind == "zero_rate"
-                    else f"delta {div.delta:.3g} = {div.delta_sigma:.1f} sigma") + ")<extra></extra>"),
-            ))
+    marks, mark_shapes = _departure_marks(shown, divergences or {}, colors, labels, options)
+    data.extend(marks)
+    shapes.extend(mark_shapes)
+    if marks:
+        key_kinds.update(dict.fromkeys(("alert", "onset")))
     title = f"{key} (minus reference)" if options.delta else key
     if dropped_total:
         title += f" · {dropped_total} points ≤ 0 not on the log scale (○ in the strip above)"
@@ -239,7 +221,8 @@ def metric_figure(
     if marked:  # a light band behind the strip, so its markers never read as data
         shapes.append(dict(type="rect", xref="x domain", x0=0, x1=1, yref="y2 domain", y0=0, y1=1, layer="below",
                            fillcolor="#f2f2f2", line=dict(width=0)))
-    legend_px = legend_rows([d["name"] for d in data if d.get("showlegend", True)]) * LEGEND_ROW_PX
+    key_text = marker_key(list(key_kinds))
+    legend_px = (legend_rows([d["name"] for d in data if d.get("showlegend", True)]) + bool(key_text)) * LEGEND_ROW_PX
     layout = dict(
         title=dict(text=_text(title), font=dict(size=14), x=0, xanchor="left", xref="paper",
                    y=1, yanchor="top", yref="container", pad=dict(t=8)),
@@ -248,7 +231,8 @@ def metric_figure(
         # Above the plot, left to right, its rows counted into the top margin: at the right it took 40% of
         # a report chart's width with a scrollbar of its own; below, it covered the "step" title.
         legend=dict(orientation="h", x=0, xanchor="left", y=1, yanchor="bottom", font=dict(size=10),
-                    traceorder="normal", itemwidth=30),
+                    traceorder="normal", itemwidth=30, **key_title(key_text)),
+        meta={"marker_kinds": list(key_kinds)},  # grid_figure merges the panels' kinds into one key
         xaxis=xaxis, yaxis=dict(type="log" if options.log_y else "linear", domain=y_domain),
         yaxis2=strip,
         template=_template(),
@@ -258,6 +242,83 @@ def metric_figure(
     # Built from plain dicts in one go without plotly's per-property validation (the same JSON, pinned
     # by tests/app/plots/test_figures.py against plotly's validated figure).
     return figure_from_dicts(data, layout)
+
+
+def _departure_marks(shown: Mapping[str, Trace], divergences: Mapping[str, Divergence], colors: Mapping[str, str],
+                     labels: Mapping[str, str], options: ChartOptions) -> tuple[list[dict], list[dict]]:
+    """Each diverged candidate's first departure: a dashed vertical line at its onset (candidates starting
+    at one step split its height), a light span of its colour from the onset to the alert, and a diamond
+    on its curve at the alert (diamonds at one step nest, the first the largest, so none hides another),
+    hover text worded by `verdicts.when_text`. Traces and shapes; parts outside the step range left out."""
+    from rldiag.app.analysis.verdicts import departure_size, when_text
+
+    def shown_at(step: int) -> bool:
+        return not ((options.first is not None and step < options.first)
+                    or (options.last is not None and step > options.last))
+
+    marks: list[tuple[str, Divergence, int, int]] = []
+    for run, div in divergences.items():
+        if run not in shown or not div.diverged:
+            continue
+        onset = int(div.onset_step)
+        alert = div.alert_step
+        alert = onset if alert is None or not np.isfinite(alert) or alert < onset else int(alert)
+        if shown_at(onset) or shown_at(alert) or (options.first is not None and onset < options.first <= alert):
+            marks.append((run, div, onset, alert))
+    data: list[dict] = []
+    shapes: list[dict] = []
+    by_onset: dict[int, list[str]] = {}
+    by_alert: dict[int, list[str]] = {}
+    for run, _div, onset, alert in marks:
+        by_onset.setdefault(onset, []).append(run)
+        by_alert.setdefault(alert, []).append(run)
+    for run, div, onset, alert in marks:
+        color = colors.get(run, PALETTE[0])
+        j, n = by_onset[onset].index(run), len(by_onset[onset])  # one segment each: no colour mixes
+        if shown_at(onset):
+            shapes.append(dict(type="line", x0=onset, x1=onset, xref="x", y0=j / n, y1=(j + 1) / n,
+                               yref="y domain", line=dict(color=color, dash="dash", width=1.5)))
+        if alert > onset:  # from the onset to the alert: the steps the evidence took to build up
+            x0 = onset if options.first is None else max(onset, options.first)
+            x1 = alert if options.last is None else min(alert, options.last)
+            shapes.append(dict(type="rect", x0=x0, x1=x1, xref="x", y0=j / n, y1=(j + 1) / n, yref="y domain",
+                               fillcolor=color, opacity=0.12, line=dict(width=0), layer="below"))
+        if not shown_at(alert):
+            continue
+        t = shown[run]
+        i = int(np.searchsorted(t.steps, alert))
+        y = float(t.values[min(i, len(t) - 1)]) if len(t) else float("nan")
+        first = div.first
+        size = departure_size(div.kind, div.delta, first.delta_sigma if first is not None else div.delta_sigma,
+                              div.candidate_level, div.reference_level)
+        if div.kind == "zero_rate":
+            size = zero_rate_text(div.candidate_level, div.reference_level)
+        name = _text(DIVERGES_PREFIX + labels.get(run, run))
+        k, m = by_alert[alert].index(run), len(by_alert[alert])
+        data.append(dict(
+            type="scatter", x=[alert], y=[y if np.isfinite(y) else None], mode="markers", name=name,
+            legendgroup=run, showlegend=False,
+            # at one step, diamonds nest (the first the largest, drawn first), so every colour shows
+            marker=dict(symbol="diamond", size=11 + 6 * (m - 1 - k), color=color, line=dict(width=1, color="#000")),
+            hovertemplate=_text(f"{DIVERGES_PREFIX}{labels.get(run, run)}: {when_text(onset, alert)}"
+                                ) + "<br>" + _text(f"{div.kind}, {size}") + "<extra></extra>",
+        ))
+    return data, shapes
+
+
+MARKER_KEY = {"NaN": "× NaN", "+inf": "▲ +inf", "-inf": "▼ -inf", "≤0": "○ ≤ 0", "alert": "◆ alert",
+              "onset": "╎ onset"}  # the legend's key: one short entry per marker kind drawn
+
+
+def marker_key(kinds: Sequence[str]) -> str:
+    """The legend's one key to the markers drawn ("× NaN ▲ +inf ◆ alert ╎ onset"), in MARKER_KEY's order;
+    "" for none. Each marker sits under its run's legend entry, in the run's colour."""
+    return "  ".join(MARKER_KEY[k] for k in MARKER_KEY if k in kinds)
+
+
+def key_title(text: str) -> dict:
+    """The legend's title holding the marker key (a row of its own above the runs), or nothing."""
+    return {"title": dict(text=_text(text), font=dict(size=10, color="#666"), side="top")} if text else {}
 
 
 def _strip_axes(rows: int, kinds: Sequence[str], plot_px: float) -> tuple[list[float], dict]:

@@ -10,8 +10,10 @@ axes (type, range), vertical lines and its strip of NaN/inf markers (`yaxis2`: a
 the panel, or a hidden axis over it where the figure has no such marker). A panel's title is an
 annotation above it whose `xref` names the panel's x axis ("x3 domain"): that is how a reader (the
 tests, the benchmark) finds which traces a titled panel holds. One legend for every panel, above
-them: a run's traces share its `legendgroup`, so a click on a run hides it everywhere, and each run
-(and each of its marker kinds) is listed once, from the first panel that draws it.
+them: a run's traces share its `legendgroup`, so a click on a run hides it everywhere, and each run is
+listed once, from the first panel that draws it; its markers have no entries of their own (10 runs
+with NaN, inf and onset markers made 19 entries), and one key, the legend's title, names every marker
+kind any panel draws (`figures.marker_key`).
 
 The margins are fixed (`autoexpand` off), with room for the legend's estimated rows: a legend or tick
 labels pushing a margin make plotly.js lay out and draw the whole figure a second time (0.5 s of the
@@ -54,6 +56,7 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
                   legend=dict(first.get("legend", {}), orientation="h", x=0, xanchor="left", y=1, yanchor="bottom",
                               traceorder="normal"))
     listed: set = set()
+    kinds: dict[str, None] = {}  # every panel's marker kinds, in order: the legend's one key
     for i, fig in enumerate(figures):
         row, col = divmod(i, columns)
         x0 = col * (width + GAP)
@@ -62,6 +65,7 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
         suffix, marker_suffix = ("" if i == 0 else str(i + 1)), str(n + i + 1)
         refs = {"x": f"x{suffix}", "y": f"y{suffix}", "y2": f"y{marker_suffix}"}
         own = fig.get("layout", {})
+        kinds.update(dict.fromkeys((own.get("meta") or {}).get("marker_kinds", ())))
         layout[f"xaxis{suffix}"] = dict(own.get("xaxis", {}), domain=[x0, x0 + width], anchor=refs["y"])
         layout[f"yaxis{suffix}"] = dict(own.get("yaxis", {}), anchor=refs["x"],
                                         domain=_within(own.get("yaxis", {}).get("domain"), y_domain))
@@ -86,7 +90,12 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
             xref=f"{refs['x']} domain", x=0, xanchor="left", yanchor="bottom", y=1,
             yref=f"{refs['y'] if 'overlaying' in strip else refs['y2']} domain",  # over the strip, if any
             yshift=6))
-    legend_px = _legend_rows([t["name"] for t in data if t.get("showlegend")]) * LEGEND_ROW_PX + 4
+    from rldiag.app.plots.figures import key_title, marker_key
+
+    key = marker_key(list(kinds))
+    layout["legend"].pop("title", None)
+    layout["legend"].update(key_title(key))
+    legend_px = (_legend_rows([t["name"] for t in data if t.get("showlegend")]) + bool(key)) * LEGEND_ROW_PX + 4
     layout.update(height=height + legend_px + MARGIN["b"], margin=dict(MARGIN, t=legend_px, autoexpand=False))
     return {"data": data, "layout": layout}
 

@@ -94,7 +94,12 @@ def test_picked_runs_are_drawn_with_nan_markers_and_names_as_text(dash_store, tm
             [width] = page.evaluate(WIDTHS_JS)
             assert 900 < width < 1200  # a 1,500 px window less the sidebar
             legend = page.locator("svg.main-svg text.legendtext").all_text_contents()
-            assert legend.count("v1 shifted") == 1 and legend.count("diverges: v1 shifted") == 1
+            # each run once, markers (the onset diamond, NaN x, inf triangles) under their run, no entries of
+            # their own: one key, the legend's title, names the kinds
+            assert legend.count("v1 shifted") == 1 and len(legend) == len(set(legend)), legend
+            assert not [n for n in legend if n.startswith("diverges: ") or n.endswith((" NaN", " +inf", " -inf"))]
+            [key] = page.locator("svg.main-svg text.legendtitletext").all_text_contents()
+            assert key.split() == ["×", "NaN", "▲", "+inf", "◆", "alert", "╎", "onset"], key
             legend_h, top = page.evaluate(LEGEND_JS)
             assert 20 < legend_h <= top  # one row at this width: the margin grid_figure estimated holds it
             page.set_viewport_size({"width": 1100, "height": 1100})

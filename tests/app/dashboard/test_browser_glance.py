@@ -5,6 +5,8 @@ that fits 11 runs with the differences first, run names whole in the sidebar."""
 
 from __future__ import annotations
 
+import html
+
 import pytest
 
 from bench._server import stop_group
@@ -65,7 +67,13 @@ def test_compare_and_nan_events_at_1280x800(dash_store, tmp_path):
             grad = {t["name"]: t for t in traces if t["panel"] == keys.GRAD_NORM}
             assert grad["unmasked NaN"]["marker"] == grad["unmasked"]["line"]  # the NaN marker in its run's colour
             legend = page.locator(".rldiag-chart-grid .legendtext").all_text_contents()
-            assert "unmasked NaN" in legend and "unmasked +inf" in legend and "diverges: v1 shifted" in legend
+            # one entry per run (it listed each marker kind of each run: up to 19 entries), markers under
+            # their run; one key, the legend's title, to the NaN, +inf and departure markers drawn
+            drawn_runs = {html.unescape(n) for n in lines}  # trace names are escaped, the legend's text is not
+            assert {"unmasked", "v1 shifted"} | drawn_runs <= set(legend) and len(legend) == len(set(legend)), legend
+            assert not [n for n in legend if n.startswith("diverges: ") or n.endswith((" NaN", " +inf", " -inf"))]
+            key = page.locator(".rldiag-chart-grid .legendtitletext").all_text_contents()
+            assert len(key) == 1 and {"NaN", "+inf", "alert", "onset"} <= set(key[0].split()), key
             # Log scale of each run minus the reference: about half the values are <= 0. They break the
             # line, are marked at the bottom and counted in the panel's title.
             page.get_by_text("Chart options").click()

@@ -85,9 +85,29 @@ def test_divergence_onset_is_marked_on_the_candidate():
     assert div.diverged and 195 <= div.onset_step <= 205
     fig = metric_figure("policy/ratio_mean", {**{t.run_id: t for t in refs}, "cand": cand},
                         reference_ids=[t.run_id for t in refs], divergences={"cand": div})
+    onset, alert = div.onset_step, div.alert_step
+    assert alert > onset  # the trailing medians need a few steps past the onset to see it
+    # the diamond on the candidate's curve at the alert, hover text as every product words it
     marker = next(t for t in fig.data if t.name == DIVERGES_PREFIX + "cand")
-    assert list(marker.x) == [div.onset_step]
-    assert [s.x0 for s in fig.layout.shapes] == [div.onset_step]
+    assert list(marker.x) == [alert] and marker.y[0] == pytest.approx(shifted[alert], abs=1e-6)
+    assert f"alerted at step {alert} (started about step {onset})" in marker.hovertemplate
+    assert "level, " in marker.hovertemplate and "(+10%)" in marker.hovertemplate  # its size in metric units
+    # a dashed line at the onset, a light span from the onset to the alert
+    line, span = fig.layout.shapes
+    assert (line.type, line.x0, line.x1, line.line.dash) == ("line", onset, onset, "dash")
+    assert (span.type, span.x0, span.x1) == ("rect", onset, alert) and span.fillcolor == marker.marker.color
+    # no alert known (an older frame) or the alert at the onset: the diamond at the onset, no span
+    import dataclasses
+
+    for same in (dataclasses.replace(div, alert_step=None), dataclasses.replace(div, alert_step=onset)):
+        fig = metric_figure("policy/ratio_mean", {"cand": cand}, divergences={"cand": same})
+        marker = next(t for t in fig.data if t.name == DIVERGES_PREFIX + "cand")
+        assert list(marker.x) == [onset] and [s.type for s in fig.layout.shapes] == ["line"]
+        assert f"cand: at step {onset}<br>" in marker.hovertemplate
+    # a step range from between the onset and the alert: the span clipped to it, no line
+    fig = metric_figure("policy/ratio_mean", {"cand": cand}, divergences={"cand": div},
+                        options=ChartOptions(first=onset + 1, last=299))
+    assert [(s.type, s.x0, s.x1) for s in fig.layout.shapes] == [("rect", onset + 1, alert)]
 
 
 def test_step_range_log_scale_and_smoothing():
@@ -130,7 +150,7 @@ def test_a_run_keeps_its_colour_whatever_else_is_picked():
     assert run_colors(["x", "c"], order=order) == {"x": PALETTE[3], "c": PALETTE[2]}
 
 
-def test_two_runs_nan_at_the_same_steps_both_show_with_legend_entries():
+def test_two_runs_nan_at_the_same_steps_both_show_under_their_runs_legend_entry():
     a = _trace("a", [1.0, np.nan, np.nan, 1.0], key="grad/norm")
     b = _trace("b", [1.0, np.nan, np.nan, np.inf], key="grad/norm")
     fig = metric_figure("grad/norm", {"a": a, "b": b})
@@ -140,11 +160,16 @@ def test_two_runs_nan_at_the_same_steps_both_show_with_legend_entries():
     assert _y(by_name["b +inf"]).tolist() == [1.0]
     assert by_name["a NaN"].marker.color == by_name["a"].line.color != by_name["b NaN"].marker.color
     assert by_name["b NaN"].marker.color == by_name["b"].line.color
-    # every marker kind is listed in the legend under its run
-    assert all(by_name[n].showlegend and by_name[n].legendgroup == n[0] for n in ("a NaN", "b NaN", "b +inf"))
+    # markers go with their run's legend entry (a click hides both) and have none of their own: the legend
+    # lists the runs, and its title is the one key to the marker kinds drawn
+    assert all(by_name[n].showlegend is False and by_name[n].legendgroup == n[0] for n in ("a NaN", "b NaN", "b +inf"))
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["a", "b"]
+    assert fig.layout.legend.title.text.strip() == "× NaN  ▲ +inf"
+    # no marker drawn: no key
+    assert not metric_figure("grad/norm", {"a": _trace("a", [1.0, 2.0])}).layout.legend.title.text
 
 
-def test_onsets_at_one_step_split_the_line_and_are_in_the_legend():
+def test_onsets_at_one_step_split_the_line_and_nest_their_diamonds():
     from rldiag.app.analysis.divergence import Divergence
 
     ref = _trace("ref", np.ones(30))
@@ -154,8 +179,9 @@ def test_onsets_at_one_step_split_the_line_and_are_in_the_legend():
     # two candidates leaving at step 10: two dashed segments, one on top of the other (0-0.5, 0.5-1)
     assert sorted((s.x0, s.y0, s.y1) for s in fig.layout.shapes) == [(10, 0.0, 0.5), (10, 0.5, 1.0)]
     assert {s.line.color for s in fig.layout.shapes} == {fig.data[0].line.color, fig.data[1].line.color}
-    assert [t.name for t in fig.data if t.showlegend and t.name.startswith(DIVERGES_PREFIX)] == [
-        "diverges: c1", "diverges: c2"]
+    # the diamonds under their runs' entries; the key names them once
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["c1", "c2", "ref"]
+    assert fig.layout.legend.title.text.strip() == "◆ alert  ╎ onset"
     # their diamonds at one point nest, the first drawn the larger, so the second's colour shows inside it
     assert [t.marker.size for t in fig.data if t.name.startswith(DIVERGES_PREFIX)] == [17, 11]
 

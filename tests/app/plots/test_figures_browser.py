@@ -1,5 +1,6 @@
 """Charts at 10 runs as a reader sees them in Chromium (issue 44): the NaN/inf markers in their strip
-above the data, the data's axis over the data alone, the legend above the plot, ten distinct colours."""
+above the data, the data's axis over the data alone, the legend above the plot with one entry per run
+and one key to the markers, ten distinct colours."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ LAYOUT_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(p => 
         const ya = L[t.yaxis.replace('y', 'yaxis')]; return [t.name, t.yaxis, ya._offset + ya.l2p(t.y[0])]; });
     const lg = p.querySelector('.legend').getBoundingClientRect();
     return {range: L.yaxis.range, data: box(L.yaxis), strips: strips.map(k => [k, box(L[k])]), markers,
-            legend: [lg.left, lg.top, lg.right, lg.bottom], width: L.width,
+            legend: [lg.left, lg.top, lg.right, lg.bottom], width: L.width, top: L.margin.t,
+            entries: [...p.querySelectorAll('.legend .legendtext')].map(t => t.textContent),
+            key: [...p.querySelectorAll('.legend .legendtitletext')].map(t => t.textContent),
             colors: [...new Set(p._fullData.filter(t => t.mode === 'lines').map(t => t.line.color))]};
 })"""
 
@@ -77,5 +80,11 @@ def test_ten_runs_markers_above_the_data_in_chromium(tmp_path):
     # the legend above the plot, as wide as the chart at most (it took 40% of its width at the right)
     assert one["legend"][3] <= strip_top and one["legend"][2] <= 620
     assert len(one["colors"]) == 10  # ten runs, ten colours
+    # one legend entry per run (it had 24 with an entry per marker kind and run), and one key to the
+    # markers drawn; in the Compare grid the same, its key naming every panel's kinds
+    for chart in (one, panels):
+        assert sorted(chart["entries"]) == sorted(runs), chart["entries"]
+        assert [k.split() for k in chart["key"]] == [["×", "NaN", "▲", "+inf", "▼", "-inf", "◆", "alert", "╎", "onset"]]
+        assert chart["legend"][3] - chart["legend"][1] <= chart["top"]  # the top margin holds all its rows
     # the Compare grid: grad/norm's strip over its data, loss (no NaN) without one
     assert [k for k, _ in panels["strips"]] == ["yaxis3"] and panels["strips"][0][1][1] < panels["data"][0]

@@ -77,9 +77,11 @@ def test_panels_two_a_row_keep_their_traces_markers_onset_lines_and_titles():
 def test_one_legend_lists_each_run_once_and_margins_never_grow():
     fig = grid_figure(_figures())
     listed = [t["name"] for t in fig["data"] if t["showlegend"]]
-    # each run's line once, and once each of its marker kinds (the onset diamond, the NaN x) in the
-    # first panel that draws it (grad/norm: candidates in order, each line then its markers)
-    assert listed == ["cand", "ref", "diverges: cand", "cand NaN", html.escape(EVIL, quote=False)]
+    # each run's line once, from the first panel that draws it; no entry for a marker (the onset diamond,
+    # the NaN x): one key, the legend's title, names the kinds of every panel (ratio's diamond, grad's NaN)
+    assert listed == ["cand", "ref", html.escape(EVIL, quote=False)]
+    assert fig["layout"]["legend"]["title"]["text"].strip() == "× NaN  ◆ alert  ╎ onset"
+    assert "title" not in grid_figure(_figures()[2:])["layout"]["legend"]  # loss: no marker, no key
     # every trace of a run shares its legendgroup: a click on a run hides it in every panel
     groups = {t["legendgroup"] for t in fig["data"] if t["name"].startswith("cand") or t["name"].endswith(" cand")}
     assert groups == {"cand"}

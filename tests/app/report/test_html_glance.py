@@ -89,7 +89,8 @@ BOXES_JS = """() => [...document.querySelectorAll('.chart')].map(c => {
     const box = el => { if (!el) return null; const r = el.getBoundingClientRect();
                         return [r.left, r.top, r.right, r.bottom]; };
     return {key: c.dataset.key, legend: box(c.querySelector('.legend')), xtitle: box(c.querySelector('.g-xtitle')),
-            names: [...c.querySelectorAll('.legendtext')].map(t => t.textContent), top: c.getBoundingClientRect().top};
+            names: [...c.querySelectorAll('.legendtext')].map(t => t.textContent), top: c.getBoundingClientRect().top,
+            marker_key: [...c.querySelectorAll('.legendtitletext')].map(t => t.textContent)};
 })"""
 
 
@@ -114,8 +115,12 @@ def test_report_in_chromium_is_short_with_charts_first_and_legends_clear_of_the_
         lx0, ly0, lx1, ly1 = c["legend"]
         tx0, ty0, tx1, ty1 = c["xtitle"]
         assert lx1 <= tx0 or tx1 <= lx0 or ly1 <= ty0 or ty1 <= ly0, (key, c["legend"], c["xtitle"])
-    # grad/norm of unmasked-b1xa2 is NaN at every step: the run keeps its legend entry, and its markers too
-    assert {"unmasked-b1xa2", "unmasked-b1xa2 NaN"} <= set(charts["grad/norm"]["names"])
+    # grad/norm of unmasked-b1xa2 is NaN at every step: the run keeps its legend entry, its markers go under
+    # it; each chart's legend: one entry per run, none per marker kind, and one key to the markers it draws
+    grad = charts["grad/norm"]
+    assert "unmasked-b1xa2" in grad["names"] and len(grad["names"]) == len(set(grad["names"]))
+    assert not [n for c in charts.values() for n in c["names"] if n.startswith("diverges: ") or n.endswith(" NaN")]
+    assert len(grad["marker_key"]) == 1 and "NaN" in grad["marker_key"][0].split()
     assert len(set(colors.values())) == len(colors)  # six runs, six colours
     # Two runs NaN at the same steps: both show, each in its colour, one a few pixels below the other
     (a, color_a, y_a), (b, color_b, y_b) = markers
