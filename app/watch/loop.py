@@ -20,7 +20,8 @@ Each poll cycle (one at a time, every `--interval` seconds):
    grad norm: in an fp16 run (params fp16 true) a streak of them shorter than 8 logged rows with a
    finite loss, followed by a finite row, is told as a likely overflow ("likely_scaler_overflow", no
    alert); while it lasts to a running run's last row it is held back (said in the log), and a NaN loss,
-   8 rows or a run that ends in it is alerted.
+   8 rows or a run that ends in it is alerted;
+6. an effective-sample-size drop with a rising mismatch (`rldiag.app.watch.is_events`) is alerted once per stretch.
 With `--divergence`, candidates (tag rldiag.role=candidate) are also compared with the reference runs
 of their rldiag.group (`rldiag.app.analysis.divergence`), once per (run, metric).
 
@@ -53,6 +54,7 @@ from rldiag.app.watch.events import (
     WatchAlert,
     divergence_event,
 )
+from rldiag.app.watch.is_events import WATCH_IS_KEYS, send_is_events
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import AlertDispatcher, MlflowTagSink, NonFiniteGradAlert
@@ -66,7 +68,7 @@ log = logging.getLogger("rldiag.watch")
 # that measured nothing (every token masked).
 WATCH_KEYS: tuple[str, ...] = (keys.GRAD_NORM, keys.GRAD_FINITE, keys.LOSS, keys.LOSS_UNFILTERED,
                                keys.GRAD_SCALER_OVERFLOW, keys.GRAD_LOSS_SCALE, keys.BATCH_TOKENS,
-                               keys.TRL_CLIPPED_RATIO, keys.GRAD_SKIPPED)
+                               keys.TRL_CLIPPED_RATIO, keys.GRAD_SKIPPED, *WATCH_IS_KEYS)
 ENDED_MARGIN_MS = 120_000  # clock skew between trainer and watcher hosts, for "ended since the last poll"
 # ---- the watcher ---------------------------------------------------------------------------------
 class _Shared:
@@ -182,6 +184,7 @@ class Watcher:
         sent = self._check_loss(run_id, name, experiment)
         self._note_overflows(run_id, name)
         self._note_empty(run_id, name, dict(run.data.params))
+        sent += send_is_events(self._h, run_id, name, experiment, self.state, self.sinks)
         found = bad_steps(self._h, run_id)
         if not found:
             return sent
