@@ -31,6 +31,9 @@ GROUP_BATCH = "batch / accumulation"
 GROUP_OTHER = "other params"
 GROUP_TAGS = "tags"
 GROUPS: tuple[str, ...] = (GROUP_PARITY, GROUP_BATCH, GROUP_OTHER, GROUP_TAGS)
+# `rldiag import`'s bookkeeping (app/importers/common.py: the source path, its hash, the tracker): differs
+# between any two imported runs without meaning, so left out like MLflow's own mlflow.* tags
+IMPORT_PREFIX = "rldiag.import."
 
 
 class RunConfig(NamedTuple):
@@ -68,19 +71,20 @@ def config_diff(
 
     Columns: `group` (one of GROUPS, in that order), `kind` ("param" or "tag"), `name`, then the runs;
     a value the run does not have is None. With `only_differing` (the default) only rows whose values
-    are not all equal are kept; a missing value differs from any value. MLflow's own `mlflow.*` tags
-    are left out unless `include_mlflow_tags`.
+    are not all equal are kept; a missing value differs from any value. MLflow's own `mlflow.*` tags and
+    `rldiag import`'s bookkeeping (`rldiag.import.*` tags or params) are left out unless `include_mlflow_tags`.
     """
     run_ids = list(configs)
     cols = [labels.get(r, r) for r in run_ids] if labels else run_ids
     if len(set(cols)) != len(cols):
         raise ValueError(f"run labels must be unique, got {cols}; label runs by name and id")
     rows = []
-    param_names = sorted({k for c in configs.values() for k in c.params}, key=_param_rank)
+    param_names = sorted({k for c in configs.values() for k in c.params
+                          if include_mlflow_tags or not k.startswith(IMPORT_PREFIX)}, key=_param_rank)
     for name in param_names:
         rows.append((GROUPS[_param_rank(name)[0]], "param", name, [configs[r].params.get(name) for r in run_ids]))
     tag_names = sorted({k for c in configs.values() for k in c.tags
-                        if include_mlflow_tags or not k.startswith("mlflow.")})
+                        if include_mlflow_tags or not k.startswith(("mlflow.", IMPORT_PREFIX))})
     for name in tag_names:
         rows.append((GROUP_TAGS, "tag", name, [configs[r].tags.get(name) for r in run_ids]))
     if only_differing:
