@@ -3,7 +3,7 @@
 
 The ESS is judged against the run's own first logged values (the watcher reads one run at a time, no
 references). A run that logs no effective sample size or no mismatch metric gets no event and no word
-here: the report's and the dashboard's likely causes say "not logged".
+here (`is_health` says "not logged": nothing to judge, never an all-clear).
 """
 
 from __future__ import annotations
