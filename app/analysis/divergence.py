@@ -170,6 +170,24 @@ class Departure:
     delta: float  # median of (candidate - centre) over it, metric units
     delta_sigma: float  # the residual in sd of the references' point noise (log sd for log-compared metrics)
 
+    @property
+    def lasting(self) -> bool:
+        """It lasts to the candidate's last step (a transient came back: `end_step`)."""
+        return self.end_step is None
+
+    @property
+    def weight(self) -> float:
+        """How far out it is, roughly in multiples of the default bar (a level's 5 sd, a variance's 2.5x
+        noise): the order a headline ranks departures of different metrics by. Non-finite: inf."""
+        if self.kind == "nonfinite":
+            return float("inf")
+        x = abs(self.delta_sigma) if self.delta_sigma == self.delta_sigma else 0.0
+        if self.kind == "variance":
+            return x / DivergenceConfig.var_ratio
+        if self.kind == "zero_rate":  # its size is a difference of rates, not sd: counted as at the bar
+            return 1.0
+        return x / DivergenceConfig.k
+
 
 @dataclass(frozen=True)
 class Divergence:
@@ -198,6 +216,20 @@ class Divergence:
     @property
     def first(self) -> Departure | None:
         return self.departures[0] if self.departures else None
+
+    @property
+    def lead(self) -> Departure | None:
+        """The departure a headline names for this metric: the one that lasts to the end if any (always the
+        last), else the largest (`Departure.weight`), the earliest of equals. None without a departure."""
+        if not self.departures:  # one built from a table row: its first departure's fields
+            if self.onset_step is None:
+                return None
+            return Departure(self.kind or "level", self.onset_step,
+                             self.alert_step if self.alert_step is not None else self.onset_step, self.end_step,
+                             self.candidate_level, self.reference_level, self.delta, self.delta_sigma)
+        if self.departures[-1].lasting:
+            return self.departures[-1]
+        return max(self.departures, key=lambda d: (d.weight, -d.alert_step))
 
     @property
     def status(self) -> str:
@@ -304,18 +336,18 @@ def zero_rate_text(candidate: float, reference: float) -> str:
 
 
 def departure_text(key: str, d: Departure) -> str:
-    """"ratio mean 1.263 vs 1.000 (+26%, +8.0 sd) from step 0" — metric units first, sd second."""
+    """"ratio mean 1.263 vs 1 (+26%, +8.0 sd) alerted at step 3 (started about step 0)" — metric units
+    first, sd second, then when (`verdicts.departure_when`: a departure that ended says when it came back)."""
+    from rldiag.app.analysis.verdicts import departure_when
+
     if d.kind == "nonfinite":
-        text = f"{key} non-finite from step {d.onset_step}"
+        text = f"{key} non-finite"
     elif d.kind == "zero_rate":
-        text = f"{key} {zero_rate_text(d.candidate, d.reference)} from step {d.onset_step}"
+        text = f"{key} {zero_rate_text(d.candidate, d.reference)}"
     else:
-        text = (f"{key} {size_text(d.candidate, d.reference, d.delta_sigma)} from step {d.onset_step}"
-                if d.kind == "level" else
-                f"{key} noise x{d.delta_sigma:.1f} the reference's from step {d.onset_step}")
-    if d.end_step is not None:
-        text += f" to {d.end_step}"
-    return text
+        text = (f"{key} {size_text(d.candidate, d.reference, d.delta_sigma)}" if d.kind == "level" else
+                f"{key} noise x{d.delta_sigma:.1f} the reference's")
+    return f"{text} {departure_when(d)}"
 
 
 def _aligned(model, candidate: Trace):
@@ -466,6 +498,13 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                 else:
                     dsig = float(np.nanmedian(r[seg]) / sigma) if sigma > 0 else float("inf") * np.sign(delta)
         end = int(steps[s.end]) if s.end is not None else None
+        if s.kind == "level" and s.end is not None and (back := _came_back(r, s)) != s.end:
+            end = int(steps[back])  # and the size over what was out: the detector's end lags the return
+            seg = slice(s.onset, back + 1)
+            with quiet():
+                ref_level = float(np.nanmedian(center_m[seg]))
+                c_level, delta = float(np.nanmedian(level_cand[seg])), float(np.nanmedian(gap[seg]))
+                dsig = float(np.nanmedian(r[seg]) / sigma) if sigma > 0 else float("inf") * np.sign(delta)
         deps.append(Departure(s.kind, int(steps[s.onset]), int(steps[min(s.alert, len(steps) - 1)]), end,
                               c_level, ref_level, delta, dsig))
     # the smallest lasting shift a test that fills at this length flags, against where the candidate sits
@@ -483,6 +522,22 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     return Divergence(candidate.key, d0.onset_step, d0.kind, d0.end_step, d0.delta,
                       d0.delta_sigma if d0.kind == "level" else float("nan"), first_bad, compared,
                       needed, d0.alert_step, tuple(deps), detectable, d0.candidate, d0.reference, **tail)
+
+
+def _came_back(r: np.ndarray, s) -> int:
+    """Index of the last step a level stretch `s` that ended is out: after its alert, the split that
+    maximises the sum of (its sign x residual - half its size) up to it (the onset's CUSUM split, run
+    forwards). The detector ends a stretch once a window's median is back inside for a window's length,
+    which lags the candidate's return by up to half that window."""
+    if s.end is None or s.end <= s.alert:
+        return s.end if s.end is not None else len(r) - 1
+    with quiet():
+        size = float(np.nanmedian(r[s.onset:s.end + 1] * s.sign))
+    if not (math.isfinite(size) and size > 0):
+        return s.end
+    x = np.clip(r[s.alert:s.end + 1] * s.sign - size / 2, -size, size)
+    x[~np.isfinite(x)] = 0.0
+    return s.alert + int(np.argmax(np.cumsum(x)))
 
 
 DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",
@@ -575,8 +630,26 @@ class CandidateSummary:
 
     @property
     def first(self) -> Divergence | None:
-        """The earliest departure, or None."""
-        return self.departures[0] if self.departures else None
+        """The metric every headline leads with (`ranked`'s first), or None: the report, the Compare page and
+        the verdict rows all take it from here."""
+        ranked = self.ranked
+        return ranked[0] if ranked else None
+
+    @property
+    def ranked(self) -> tuple[Divergence, ...]:
+        """The departed metrics, what a headline leads with first: a metric still out at the end before one
+        that came back (a warm-up burst that ended never leads a lasting drift), then the larger
+        (`Departure.weight` of its `Divergence.lead`), the earlier alert, the canonical metric order (so
+        that the order the keys were asked in never changes the headline)."""
+        from rldiag.collectors.keys import CANONICAL_METRICS
+
+        order = {k: i for i, k in enumerate(CANONICAL_METRICS)}
+
+        def rank(d: Divergence):
+            lead = d.lead
+            return (not lead.lasting, -lead.weight, lead.alert_step, order.get(d.key, len(order)), d.key)
+
+        return tuple(sorted((d for d in self.departures if d.lead is not None), key=rank))
 
     @property
     def status(self) -> str:

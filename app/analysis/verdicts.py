@@ -96,14 +96,71 @@ def when_text(onset_step: int | None, alert_step: int | None) -> str:
     return f"alerted at step {alert_step} (started about step {onset_step})"
 
 
+def came_back_text(end_step: int | None) -> str:
+    """ ", came back after step E" for a departure that ended (E its last step out), "" for one that lasts."""
+    return "" if end_step is None else f", came back after step {end_step}"
+
+
+def departure_when(d) -> str:
+    """A `Departure`'s when: `when_text`, and `came_back_text` where it ended."""
+    return when_text(d.onset_step, d.alert_step) + came_back_text(d.end_step)
+
+
+def sentence_size(d) -> str:
+    """A `Departure`'s size in a sentence: "delta 0.0787: 1.079 vs 1 (+8%, +5.3 sd)" (level), "noise x2.9
+    the reference's" (variance), "exactly 0 at 62% of steps vs 30%" (zero_rate), "non-finite where the
+    references are finite"."""
+    from rldiag.app.analysis.divergence import size_text, zero_rate_text
+
+    if d.kind == "zero_rate":
+        return zero_rate_text(d.candidate, d.reference)
+    if d.kind in ("nonfinite", "variance"):
+        return departure_size(d.kind, d.delta, d.delta_sigma)
+    delta = f"{d.delta:.3g}" if math.isfinite(d.delta) else "-"
+    return f"delta {delta}: " + size_text(d.candidate, d.reference, d.delta_sigma)
+
+
+def departure_sentence(key: str, d, size: str | None = None) -> str:
+    """Where a candidate leaves the band of `key` (a `Departure`), when and by how much, worded once for the
+    report, the Compare page and the watcher: "loss leaves the reference band, alerted at step 12 (started
+    about step 9), came back after step 40 (level, delta 0.08: 1.08 vs 1 (+8%, +5.3 sd))". `size`: in place
+of `sentence_size` (a table row keeps a variance's ratio in its own column)."""
+    when = departure_when(d)
+    return (f"{key} leaves the reference band{' ' if when.startswith('at ') else ', '}{when} "
+            f"({d.kind}, {size or sentence_size(d)})")
+
+
+def _step(v) -> int | None:
+    """A table cell's step: None for None or NaN (a pandas column of steps and Nones)."""
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+
+
+def row_sentence(row: Mapping) -> str:
+    """`departure_sentence` of a `divergence_frame` row (its metric's first departure; a row without
+    `alert_step` reads its onset as the alert): the report's divergence lines and the watcher's events."""
+    from rldiag.app.analysis.divergence import Departure
+
+    onset = _step(row["onset_step"])
+    if onset is None:
+        return f"{row['key']} stays within the reference band"
+    alert = _step(row.get("alert_step"))
+    d = Departure(row["kind"], onset, onset if alert is None else alert, _step(row["end_step"]),
+                  row.get("candidate_level", math.nan), row.get("reference_level", math.nan), row["delta"],
+                  row["delta_sigma"])
+    # a row keeps a variance's ratio in its size, not in delta_sigma: in noise terms, never a level's delta
+    size = (row.get("size") or "noise larger than the reference's") if row["kind"] == "variance" else None
+    return departure_sentence(row["key"], d, size)
+
+
 def check_failed(check: str, e: Exception) -> str:
     """ "cause check failed: padding (TypeError: ...)", the error's first line only."""
     first = (str(e).strip().splitlines() or [""])[0][:200]
     return f"cause check failed: {check} ({type(e).__name__}{': ' + first if first else ''})"
 
 
-__all__ = ["NON_NEGATIVE", "SOURCE_PIPELINERL", "SOURCE_TRL", "check_failed", "departure_size", "parity_text",
-           "range_text", "same_params_note"]
+__all__ = ["NON_NEGATIVE", "SOURCE_PIPELINERL", "SOURCE_TRL", "came_back_text", "check_failed", "departure_sentence",
+           "departure_size", "departure_when", "parity_text", "range_text", "row_sentence", "same_params_note", "sentence_size",
+           "when_text"]
 
 
 # ---- one row per candidate: the experiments' closing table and the Compare page's first screen ------------
@@ -122,6 +179,7 @@ class VerdictRow(NamedTuple):
     run: str  # its label
     verdict: str  # STATUS_WORDS of its status; "within the band" only for a clean candidate no cause fits
     departs: str  # "grad/finite 0 at step 1", "policy/clip_rate alerted at step 8 (started about step 3)", or "-"
+    # (a departure that ended adds ", came back after step E": it leads only where nothing lasts)
     cause: str  # the first likely cause's title, or "-"
     fix: str  # that cause's fix, or ""
 
@@ -139,9 +197,8 @@ def rows_of(summaries: Sequence, causes: Sequence, labels: Mapping[str, str]) ->
         found = by_run.get(s.run_id)
         if s.first_nonfinite_step is not None:
             departs = f"grad/finite 0 at step {s.first_nonfinite_step}"
-        elif s.first is not None:
-            d = s.first
-            departs = f"{d.key} {when_text(d.onset_step, d.alert_step)}"
+        elif s.first is not None:  # the metric the headline leads with: lasting, then largest
+            departs = f"{s.first.key} {departure_when(s.first.lead)}"
         else:
             departs = "-"
         cause = found.first if found is not None else None

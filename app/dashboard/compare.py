@@ -16,10 +16,8 @@ from rldiag.app.analysis.divergence import (
     NOT_ENOUGH_STEPS,
     CandidateSummary,
     detectable_text,
-    size_text,
-    zero_rate_text,
 )
-from rldiag.app.analysis.verdicts import verdict_rows
+from rldiag.app.analysis.verdicts import departure_sentence, departure_when, verdict_rows
 from rldiag.app.dashboard import RLDIAG_REFRESH_S, data
 from rldiag.app.dashboard.chart_grid import chart_grid
 from rldiag.app.dashboard.html_table import html_table
@@ -35,7 +33,14 @@ from rldiag.app.data.runs import runs_with_metrics
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.plots.decimate import DEFAULT_POINTS
 from rldiag.app.plots.figures import ChartOptions, run_colors, run_order
-from rldiag.app.report.content import empty_text, evidence_parts, gap_parts, nonfinite_text, reference_empty_text
+from rldiag.app.report.content import (
+    empty_text,
+    evidence_parts,
+    gap_parts,
+    nonfinite_text,
+    others_text,
+    reference_empty_text,
+)
 from rldiag.collectors import keys
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
@@ -89,22 +94,12 @@ def _warn_unusable(sel: Selection) -> list[str]:
 
 
 def summary_line(s: CandidateSummary, label: str) -> str:
-    """The page's line for one candidate (Markdown): non-finite gradients first, then where it leaves
-    the reference first, then how much the comparison rests on (the report's words)."""
+    """The page's line for one candidate (Markdown), in the report's words (`content.headline`): non-finite
+    gradients first, then the metric it leaves that lasts and is largest, when (alert and onset) and by
+    how much, the others, then how much the comparison rests on."""
     parts = [escape_md(t) for t in [nonfinite_text(s), empty_text(s)] if t]
-    first = s.first
-    if first is not None:
-        how = str(first.kind)
-        if first.kind == "nonfinite" and first.first_nonfinite_step is not None:
-            how = f"non-finite from step {first.first_nonfinite_step}"
-        elif first.kind == "zero_rate":
-            how = zero_rate_text(first.candidate_level, first.reference_level)
-        elif first.kind == "variance":  # in noise terms, never a level's delta
-            how += ", " + first.size
-        elif pd.notna(first.delta):
-            how += ", " + size_text(first.candidate_level, first.reference_level, first.delta_sigma)
-        more = f"; {len(s.departures)} metrics in all" if len(s.departures) > 1 else ""
-        parts.append(f"leaves it first on {escape_md(first.key)} at step **{first.onset_step}** ({how}){more}")
+    if s.first is not None:
+        parts += [escape_md(t) for t in [departure_sentence(s.first.key, s.first.lead), others_text(s)] if t]
     parts += [escape_md(p) for p in evidence_parts(s)]
     return f"- **{escape_md(label)}**: " + "; ".join(parts)
 
@@ -128,8 +123,10 @@ def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], 
                     + (f"\n\nAlso differs (no signature of its own): {escape_md('; '.join(rc.also_differs))}"
                        if rc.also_differs else ""))
     needed = summaries[0].steps_needed if summaries else 0
-    st.caption(f"Compared with {band}: first step from which the candidate stays outside its noise band, also "
-               f"marked on the charts; a metric needs {needed} compared steps before staying inside says anything.")
+    st.caption(f"Compared with {band}: each departure says the step a watcher polling every step alerts at and "
+               "where it started (placed after the fact), also marked on the charts; a metric still out at the end "
+               "leads one that came back, the larger first; a metric needs "
+               f"{needed} compared steps before staying inside says anything.")
     if len(table) and st.toggle("Every onset (candidate x metric)", key="compare.divergence.all"):
         st.dataframe(table, hide_index=True, key="compare.divergence", column_config={
             "delta": st.column_config.NumberColumn(format="%.4g"),
@@ -213,7 +210,7 @@ def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:
     by_order = [s for s in summaries if s not in cannot and s.by_order]  # logged with no step: logging order
     parts = []
     for s in leaving:
-        where = nonfinite_text(s) or f"{s.first.key} from step {s.first.onset_step}"
+        where = nonfinite_text(s) or f"{s.first.key} {departure_when(s.first.lead)}"
         parts.append(f"**{escape_md(labels[s.run_id])}**: {escape_md(where)}")
     # every token masked at some steps: whatever the bands say, those steps measured nothing
     empty = [f"**{escape_md(labels[s.run_id])}**: no valid tokens at step{'s' if len(s.empty_steps) > 1 else ''} "

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from rldiag.app.analysis import verdicts as V
 from rldiag.app.analysis.causes import RunCauses
 from rldiag.app.analysis.comparison import CompareOptions, compare
 from rldiag.app.analysis.config_diff import RunConfig, config_diff
@@ -28,8 +29,6 @@ from rldiag.app.analysis.divergence import (
     DivergenceConfig,
     detectable_text,
     divergence_frame,
-    size_text,
-    zero_rate_text,
 )
 from rldiag.app.analysis.nan_events import nan_events, no_token_steps, unchecked_steps
 from rldiag.app.data.alerts import load_alert_events
@@ -213,26 +212,21 @@ def fmt_value(v) -> str:
     return str(v)
 
 
-def _row(d: Divergence) -> dict:
-    return {f: getattr(d, f) for f in DIVERGENCE_COLUMNS[1:]}
-
-
 def departure_text(row: dict) -> str:
-    """Where a candidate leaves the band of a metric, and by how much (plain text, no label)."""
-    if row["onset_step"] is None:
-        return f"{row['key']} stays within the reference band"
-    if row["kind"] == "nonfinite":
-        size = "non-finite where the references are finite"
-    elif row["kind"] == "zero_rate":
-        size = zero_rate_text(row["candidate_level"], row["reference_level"])
-    elif row["kind"] == "variance":  # in noise terms, as the tables say it, never a level's delta
-        size = row.get("size") or "noise larger than the reference's"
-    else:
-        size = f"delta {fmt_stat(row['delta'], 3)}: " + size_text(row.get("candidate_level", float("nan")),
-                                                                   row.get("reference_level", float("nan")),
-                                                                   row["delta_sigma"])
-    end = "" if row["end_step"] is None else f" to step {row['end_step']}"
-    return f"{row['key']} leaves the reference band at step {row['onset_step']}{end} ({row['kind']}, {size})"
+    """Where a candidate leaves the band of a metric, when and by how much (plain text, no label): a
+    `divergence` row's first departure in `verdicts.departure_sentence`'s words (`verdicts.row_sentence`)."""
+    return V.row_sentence(row)
+
+
+def others_text(s: CandidateSummary, shown: int = 3) -> str:
+    """The metrics it leaves besides the one a headline leads with, lasting then largest first: "3 metrics
+    in all; also policy/kl_new_old at step 150, loss alerted at step 12 (started about step 9), came back
+    after step 20" ("" for one)."""
+    rest = s.ranked[1:]
+    if not rest:
+        return ""
+    listed = ", ".join(f"{d.key} {V.departure_when(d.lead)}" for d in rest[:shown])
+    return f"{len(rest) + 1} metrics in all; also {listed}" + (f" and {len(rest) - shown} more" if len(rest) > shown else "")
 
 
 def divergence_sentence(row: dict, label: str) -> str:
@@ -374,8 +368,7 @@ def headline(s: CandidateSummary, label: str) -> str:
     then its first departure, then how much the comparison rests on; never "within the band" on too few
     steps or with NaN gradients."""
     parts = [p for p in [nonfinite_text(s), empty_text(s)] if p]
-    if s.first is not None:
-        more = f" (first of {len(s.departures)} metrics it leaves)" if len(s.departures) > 1 else ""
-        parts.append(departure_text(_row(s.first)) + more)
+    if s.first is not None:  # lasting, then largest (`CandidateSummary.ranked`): the Compare page's too
+        parts += [t for t in [V.departure_sentence(s.first.key, s.first.lead), others_text(s)] if t]
     parts += evidence_parts(s)
     return f"{label}: " + "; ".join(parts)

@@ -56,20 +56,29 @@ class WatchAlert:
 
 def divergence_event(run_id: str, run_name: str, group: str, references: Sequence[str], row: dict,
                      cause: str = "") -> dict:
-    """The event for a candidate that left its references' band on one metric (see `rldiag.app.analysis.divergence`);
-    `cause`: its first likely cause in one line (`rldiag.app.analysis.causes.RunCauses.line`), "" if none fits."""
-    delta = row["delta"]
-    from rldiag.app.analysis.divergence import sigma_text
+    """The event for a candidate that left its references' band on one metric (a `divergence_frame` row,
+    see `rldiag.app.analysis.divergence`), its text in the report's and the Compare page's words
+    (`verdicts.departure_sentence`: alerted at step A, started about step O); `cause`: its first likely
+    cause in one line (`rldiag.app.analysis.causes.RunCauses.line`), "" if none fits. `step` is the onset
+    (as before); `alert_step` and `onset_step` say both."""
+    from rldiag.app.analysis.verdicts import STATUS_WORDS, row_sentence
 
-    sd = sigma_text(float(row["delta_sigma"])) if isinstance(row["delta_sigma"], float) else ""
-    size = (f"; delta {delta:+.4g}{f' ({sd})' if sd else ''}" if isinstance(delta, float) and math.isfinite(delta)
-            else "")
-    text = (f"rldiag watch: run {run_name or run_id} ({run_id}) diverges from its reference(s) in group {group!r} "
-            f"on {row['key']} from step {row['onset_step']} ({row['kind']}){size}" + (f"; {cause}" if cause else ""))
+    delta = row["delta"]
+    onset = int(row["onset_step"])
+    alert, end = (_step(row.get(f)) for f in ("alert_step", "end_step"))
+    alert = onset if alert is None else alert
+    text = (f"rldiag watch: run {run_name or run_id} ({run_id}) {STATUS_WORDS['diverged']} from its reference(s) in "
+            f"group {group!r}: {row_sentence(dict(row, alert_step=alert))}" + (f"; {cause}" if cause else ""))
     return {"kind": "divergence", "source": SOURCE, "run_id": run_id, "run_name": run_name, "group": group,
-            "references": list(references), "key": row["key"], "step": int(row["onset_step"]),
+            "references": list(references), "key": row["key"], "step": onset, "onset_step": onset,
+            "alert_step": alert, "end_step": end,
             "departure": row["kind"], "delta": _num(float(delta)), "delta_sigma": _num(float(row["delta_sigma"])),
             "cause": cause, "time": time.time(), "text": text}
+
+
+def _step(v) -> int | None:
+    """A row's step: None for None or NaN."""
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
 
 
 def at_step(step: int, logged_at: int | None) -> str:

@@ -9,8 +9,8 @@ import pytest
 
 from bench.divergence_data import trace
 from bench.divergence_rl import NO_CHANGE, every, make_set, scenario
-from rldiag.app.analysis.divergence import (DivergenceConfig, departure_text, detect_divergence, sigma_cell,
-                                            sigma_text)
+from rldiag.app.analysis.divergence import DivergenceConfig, departure_text, detect_divergence, sigma_cell, sigma_text
+from rldiag.app.analysis.verdicts import when_text
 from rldiag.app.data.trace import Trace
 
 
@@ -74,7 +74,7 @@ def test_magnitudes_in_metric_units_first_and_sigma_bounded():
     d = detect_divergence(refs, trace(c))
     assert d.onset_step == 1 and d.kind == "level"
     text = departure_text("ratio mean", d.first)
-    assert text == "ratio mean 1.263 vs 1 (+26%, >1000 sd) from step 1", text
+    assert text == f"ratio mean 1.263 vs 1 (+26%, >1000 sd) {when_text(1, d.first.alert_step)}", text
     assert sigma_text(2.04) == "+2.0 sd" and sigma_text(-5e6) == "<-1000 sd" and sigma_text(float("nan")) == ""
     # a table shows the size and the sd in cells of their own, both bounded: never "inf" or "8160.0"
     assert d.size == "1.263 vs 1 (+26%)" and sigma_cell(d.delta_sigma) == ">+1000"

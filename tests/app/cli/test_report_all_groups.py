@@ -37,7 +37,7 @@ def test_one_report_per_comparable_group(store_uri, tmp_path):
     drawn = _charts_drawn(tmp_path / "v0_vs_v1" / "rldiag-report.html")
     assert drawn >= 1, drawn  # opened from disk, the shared plotly.js loads under the page's CSP and draws
     v1 = r.stdout.split("## group v0_vs_v1")[1]
-    assert "v0_vs_v1-cand: policy/ratio_mean leaves the reference band at step" in v1
+    assert "v0_vs_v1-cand: policy/ratio_mean leaves the reference band" in v1
     assert "\n  no likely cause: " in v1 or "\n  likely: " in v1  # its cause line, indented under it
     masked = r.stdout.split("## group masked_vs_unmasked")[1].split("## group")[0]
     assert "masked_vs_unmasked-cand: " in masked and "leaves" not in masked

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rldiag.app.analysis.verdicts import when_text
 from rldiag.app.data.store import open_store
 from rldiag.app.plots.figures import NAN_SUFFIX, POSINF_SUFFIX, trace_names
 from rldiag.app.report.build import build_report, render_report
@@ -102,9 +103,12 @@ def test_markdown_says_where_the_shifted_candidate_diverges(report, runs):
     hit = [dict(zip(header, r)) for r in body if r[0] == "cand-shifted" and r[1] == K.RATIO_MEAN]
     assert len(hit) == 1 and hit[0]["onset step"] == str(onset) and hit[0]["kind"] == "level"
     assert 0.06 < float(hit[0]["delta"]) < 0.10  # + 0.08
-    assert f"- cand-shifted: policy/ratio\\_mean leaves the reference band at step {onset}" in report.markdown
+    alert = div[(div.run_id == runs["shifted"]) & (div.key == K.RATIO_MEAN)].alert_step.item()
+    when = when_text(onset, alert)  # alert and onset, as the Compare page and the watcher say them
+    lead = f"- cand-shifted: policy/ratio\\_mean leaves the reference band{' ' if alert == onset else ', '}{when} "
+    assert lead in report.markdown
     # magnitudes in metric units first, relative to the reference, sd last: "delta 0.08: 1.08 vs 1 (+8%, +7.9 sd)"
-    assert re.search(r"ratio\\_mean leaves the reference band at step \d+ \(level, delta 0\.0[6-9]\d*: 1\.0[6-9]\d* "
+    assert re.search(re.escape(lead) + r"\(level, delta 0\.0[6-9]\d*: 1\.0[6-9]\d* "
                      r"vs (1|0\.99\d*|1\.00\d*) \(\+[6-9]%, \+\d+\.\d sd\)\)", report.markdown), report.markdown
 
 
@@ -115,8 +119,8 @@ def test_markdown_lists_nonfinite_gradient_steps(report):
     assert by_run["cand-nan"]["at steps"] == "50-51, 90, 140" and by_run["cand-nan"]["steps"] == "4"
     assert by_run["cand-nan"]["grad norm at the first"] == "NaN"  # as logged, never "-" or None
     # NaN first: the candidate is headlined by its gradients, never as within the band
-    assert ("- cand-nan: non-finite gradients from step 50 (4 steps); grad/norm leaves the reference band at step 50 "
-            "to step 51 (nonfinite") in report.markdown  # a NaN grad norm where the references are finite
+    assert ("- cand-nan: non-finite gradients from step 50 (4 steps); grad/norm leaves the reference band at step 50, "
+            "came back after step 51 (nonfinite") in report.markdown  # a NaN grad norm where the references are finite
     values = _table(report.markdown, "### Non-finite metric values")
     assert [r[:6] for r in values[1:]] == [["cand-nan", K.GRAD_NORM, "3", "1", "0", "50-51, 90, 140"]]
 
@@ -143,7 +147,7 @@ def test_html_is_self_contained_and_escapes_run_data(report):
     page = report.html
     banner = plotly_js()[:40]
     assert page.count(banner) == 1  # plotly.js embedded once
-    assert not re.search(r"<(script|link|img|iframe)[^>]*\b(src|href)=", page, re.I)  # nothing to fetch
+    assert not re.search(r"<(script|link|img|iframe)[^>]*\b(src|href)=", page, re.IGNORECASE)  # nothing to fetch
     assert "https://" not in page.replace(plotly_js(), "")  # no URL outside the bundle (it names its own site)
     assert EVIL not in page and "<script>alert(2)" not in page and "<b>bold" not in page
     assert html.escape(EVIL) in page and html.escape(EVIL_NOTE) in page
@@ -231,8 +235,10 @@ def test_html_draws_every_chart_offline_in_chromium(report, runs, tmp_path):
             assert marks["cand-nan" + POSINF_SUFFIX] == list(INF_STEPS)
         if d["key"] == K.RATIO_MEAN:
             div = report.divergence
-            onset = div[(div.run_id == runs["shifted"]) & (div.key == K.RATIO_MEAN)].onset_step.item()
-            assert next(t["x"] for t in d["traces"] if t["name"] == "diverges: cand-shifted") == [onset]
+            row = div[(div.run_id == runs["shifted"]) & (div.key == K.RATIO_MEAN)]
+            # the chart's marker: at the alert (the onset in its words), or at the onset
+            marker = next(t["x"] for t in d["traces"] if t["name"] == "diverges: cand-shifted")
+            assert marker in ([row.alert_step.item()], [row.onset_step.item()]), marker
     assert shot.exists()
 
 
@@ -250,7 +256,9 @@ def test_cli_writes_both_files(runs, tmp_path):
     assert html_file.stat().st_size > 4_000_000 and "Plotly.newPlot" in html_file.read_text()
     assert "cand-shifted" in md_file.read_text()
     assert "loading 2 metric(s) of 6 runs" in p.stderr and "report built in" in p.stderr  # progress
-    assert "cand-shifted: policy/ratio_mean leaves the reference band at step" in p.stdout
+    assert "cand-shifted: policy/ratio_mean leaves the reference band" in p.stdout
+    assert re.search(r"policy/ratio_mean leaves the reference band(, alerted at step \d+ \(started about step \d+\)| at "
+                     r"step \d+) \(level", p.stdout), p.stdout
 
 
 @pytest.mark.parametrize("args, says", [
@@ -339,7 +347,8 @@ def test_runs_logged_with_no_step_are_compared_in_logging_order_and_the_report_s
     assert [d.key for d in s.departures] == [K.LOSS] and s.first.onset_step == 0
     assert [d.steps_compared for d in s.within] == [60]
     line = departure_lines(report)[0]  # its headline (its likely cause under it)
-    assert "loss leaves the reference band at step 0" in line
+    lead = s.first.lead
+    assert f"loss leaves the reference band{' ' if lead.alert_step == 0 else ', '}{when_text(0, lead.alert_step)}" in line
     assert "logged with no step (every point at step 0): compared in logging order" in line, line
     assert "logged with no step (every point at step 0): compared in logging order" in report.markdown
     from rldiag.app.dashboard.compare import summary_line  # the dashboard's Compare page, the same words

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
+from rldiag.app.analysis.verdicts import when_text
 from rldiag.app.cli.main import main as cli_main
 from rldiag.app.data.steps import steps_to_ranges
 from rldiag.app.data.store import open_store
@@ -137,6 +138,11 @@ def test_divergence_alerts_once_per_metric(store_uri, tmp_path):
     (e,) = read_events(alerts)
     assert e["kind"] == "divergence" and e["run_id"] == cand and e["key"] == keys.RATIO_MEAN
     assert abs(e["step"] - 60) <= 2 and e["departure"] == "level" and len(e["references"]) == 2
+    # alert and onset, both, in the report's and the Compare page's words; "step" stays the onset
+    assert e["onset_step"] == e["step"] and e["alert_step"] >= e["step"] and e["end_step"] is None
+    when = when_text(e["onset_step"], e["alert_step"])
+    assert f"departs from its reference(s) in group 'v0_vs_v1': {keys.RATIO_MEAN} leaves the reference band" in e["text"]
+    assert f"{when} (level, delta 0.1" in e["text"], e["text"]
     assert w.poll().alerts == 0  # once per (run, metric)
 
 
@@ -165,6 +171,7 @@ def test_divergence_alert_comes_within_a_few_steps_on_a_running_run(store_uri, t
     assert first is not None and 80 <= first <= 88, first  # known at most 8 steps after the shift
     (e,) = read_events(alerts)
     assert e["run_id"] == cand and e["key"] == keys.RATIO_MEAN and abs(e["step"] - 80) <= 2
+    assert e["alert_step"] == first and when_text(e["onset_step"], first) in e["text"], e  # alerted at the step it came
 
 
 def test_bad_input_is_one_line_and_exit_2(store_uri, tmp_path, capsys):
