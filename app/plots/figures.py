@@ -11,10 +11,12 @@ alone and no marker reads as a value: one row per run that has such points (two 
 same steps both show), NaN an x, +inf a triangle up, -inf a triangle down, in the run's colour;
 the strip's label names the kinds. On a log scale the values <= 0 break the line and are open
 circles in that strip, counted in the title. A candidate's first departure: a dashed vertical line
-at its onset (candidates starting at one step split its height), a light span of its colour from
-the onset to the alert, and a diamond on its curve at the alert (diamonds at one step nest, the
-first the largest, so none hides another), its hover text "alerted at step A (started about step
-O)" as `verdicts.when_text` words it everywhere. The legend is horizontal above the plot, its rows
+at its onset (candidates starting at one step split its height), a bar of its colour along the foot
+of the plot from the onset to the alert, and a diamond on its curve at the alert (diamonds at one
+step nest, the first the largest, so none hides another), its hover text "alerted at step A
+(started about step O)" as `verdicts.when_text` words it everywhere. Given a candidate's `Band`
+(`compute_band`, the detector's own test), a light fill of its colour with the trailing median it
+tests dotted: the median leaves the fill where that test flags. The legend is horizontal above the plot, its rows
 counted into the top margin: one entry per run (a click hides the run and its markers), and one
 key, the legend's title, to the marker kinds drawn ("× NaN  ▲ +inf  ◆ alert  ╎ onset"). Run
 names are escaped: plotly shows them as text in legends and hover labels, never as HTML.
@@ -29,18 +31,27 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
-from rldiag.app.analysis.divergence import Divergence, zero_rate_text
+from rldiag.app.analysis.divergence import Band, Divergence
 from rldiag.app.data.align import align_by_step
 from rldiag.app.data.trace import Trace
 from rldiag.app.plots.colors import PALETTE, REFERENCE_COLOR, REFERENCE_GREYS, run_colors, run_order  # noqa: F401
 from rldiag.app.plots.decimate import DEFAULT_POINTS, decimate
+from rldiag.app.plots.marks import (  # noqa: F401  (DIVERGES_PREFIX, MARKER_KEY: re-exported)
+    DIVERGES_PREFIX,
+    MARKER_KEY,
+    band_traces,
+    compact,
+    departure_marks,
+    key_title,
+    marker_key,
+    plain,
+)
 from rldiag.app.plots.plotly_compat import figure_from_dicts
 
 NAN_SUFFIX = " NaN"
 POSINF_SUFFIX = " +inf"
 NEGINF_SUFFIX = " -inf"
 NONPOS_SUFFIX = " ≤ 0"  # log scale: finite values it cannot draw
-DIVERGES_PREFIX = "diverges: "
 STRIP_ROW_PX = 10  # the non-finite strip: one row of markers per run that has any
 STRIP_GAP_PX = 8  # between the strip and the plot area below it
 STRIP_MAX = 0.4  # of the plot area's height at most (rows then come closer)
@@ -140,12 +151,16 @@ def metric_figure(
     reference_ids: Sequence[str] = (),
     colors: Mapping[str, str] | None = None,
     divergences: Mapping[str, Divergence] | None = None,
+    bands: Mapping[str, Band] | None = None,
     options: ChartOptions = ChartOptions(),
 ) -> go.Figure:
     """One metric, every run in `traces` ({run_id: trace}) overlaid; see the module docstring.
 
     `labels` maps run ids to legend names (default: the id); `divergences` maps candidate run ids to
-    their `Divergence` for this metric (onset markers)."""
+    their `Divergence` for this metric (onset markers); `bands` maps candidates to the `Band` the
+    detector tested them against (`compute_band`, with the verdicts' own config): drawn as a light fill
+    of the candidate's colour with its trailing median dotted, which leaves the fill where that test
+    flags. Not drawn in delta mode (the band is around the detector's centre, not the references' mean)."""
     labels = dict(labels or {})
     colors = dict(colors or run_colors(list(traces), reference_ids))
     shown = _delta_traces(traces, reference_ids) if options.delta else dict(traces)
@@ -160,7 +175,7 @@ def metric_figure(
     dropped_total = 0
     for run in order:
         t = shown[run].between(options.first, options.last)
-        name = _text(labels.get(run, run))
+        name = plain(labels.get(run, run))
         color = colors.get(run, PALETTE[0])
         values = smooth(t.values, options.smoothing)
         finite = np.isfinite(values)
@@ -182,7 +197,7 @@ def metric_figure(
         dash = DASHES[seen.get(color, 0) % len(DASHES)] if not is_ref else "solid"
         seen[color] = seen.get(color, 0) + (not is_ref)
         data.append(dict(
-            type="scatter", x=x, y=_compact(y), mode="lines", name=name, legendgroup=run,
+            type="scatter", x=x, y=compact(y), mode="lines", name=name, legendgroup=run,
             line=dict(color=color, width=3.0 if is_ref else 1.6, **({"dash": dash} if dash != "solid" else {})),
             opacity=1.0 if is_ref else 0.9,
             hovertemplate=f"%{{y:.4g}} at step %{{x}}<extra>{name}</extra>",
@@ -205,7 +220,12 @@ def metric_figure(
                 dropped_total += int(dropped.sum())
                 data.append(_marker(name + NONPOS_SUFFIX, _thin(t.steps[dropped], options.n_points), row,
                                     "circle-open", color, run, size=7))
-    marks, mark_shapes = _departure_marks(shown, divergences or {}, colors, labels, options)
+    if bands and not options.delta:
+        drawn_bands = band_traces(bands, shown, colors, labels, options)
+        data[:0] = drawn_bands  # beneath every line
+        if drawn_bands:
+            key_kinds["band"] = None
+    marks, mark_shapes = departure_marks(shown, divergences or {}, colors, labels, options)
     data.extend(marks)
     shapes.extend(mark_shapes)
     if marks:
@@ -224,7 +244,7 @@ def metric_figure(
     key_text = marker_key(list(key_kinds))
     legend_px = (legend_rows([d["name"] for d in data if d.get("showlegend", True)]) + bool(key_text)) * LEGEND_ROW_PX
     layout = dict(
-        title=dict(text=_text(title), font=dict(size=14), x=0, xanchor="left", xref="paper",
+        title=dict(text=plain(title), font=dict(size=14), x=0, xanchor="left", xref="paper",
                    y=1, yanchor="top", yref="container", pad=dict(t=8)),
         height=options.height + legend_px, margin=dict(l=60, r=10, t=TITLE_PX + legend_px, b=35),
         hovermode="x", showlegend=True,
@@ -242,83 +262,6 @@ def metric_figure(
     # Built from plain dicts in one go without plotly's per-property validation (the same JSON, pinned
     # by tests/app/plots/test_figures.py against plotly's validated figure).
     return figure_from_dicts(data, layout)
-
-
-def _departure_marks(shown: Mapping[str, Trace], divergences: Mapping[str, Divergence], colors: Mapping[str, str],
-                     labels: Mapping[str, str], options: ChartOptions) -> tuple[list[dict], list[dict]]:
-    """Each diverged candidate's first departure: a dashed vertical line at its onset (candidates starting
-    at one step split its height), a light span of its colour from the onset to the alert, and a diamond
-    on its curve at the alert (diamonds at one step nest, the first the largest, so none hides another),
-    hover text worded by `verdicts.when_text`. Traces and shapes; parts outside the step range left out."""
-    from rldiag.app.analysis.verdicts import departure_size, when_text
-
-    def shown_at(step: int) -> bool:
-        return not ((options.first is not None and step < options.first)
-                    or (options.last is not None and step > options.last))
-
-    marks: list[tuple[str, Divergence, int, int]] = []
-    for run, div in divergences.items():
-        if run not in shown or not div.diverged:
-            continue
-        onset = int(div.onset_step)
-        alert = div.alert_step
-        alert = onset if alert is None or not np.isfinite(alert) or alert < onset else int(alert)
-        if shown_at(onset) or shown_at(alert) or (options.first is not None and onset < options.first <= alert):
-            marks.append((run, div, onset, alert))
-    data: list[dict] = []
-    shapes: list[dict] = []
-    by_onset: dict[int, list[str]] = {}
-    by_alert: dict[int, list[str]] = {}
-    for run, _div, onset, alert in marks:
-        by_onset.setdefault(onset, []).append(run)
-        by_alert.setdefault(alert, []).append(run)
-    for run, div, onset, alert in marks:
-        color = colors.get(run, PALETTE[0])
-        j, n = by_onset[onset].index(run), len(by_onset[onset])  # one segment each: no colour mixes
-        if shown_at(onset):
-            shapes.append(dict(type="line", x0=onset, x1=onset, xref="x", y0=j / n, y1=(j + 1) / n,
-                               yref="y domain", line=dict(color=color, dash="dash", width=1.5)))
-        if alert > onset:  # from the onset to the alert: the steps the evidence took to build up
-            x0 = onset if options.first is None else max(onset, options.first)
-            x1 = alert if options.last is None else min(alert, options.last)
-            shapes.append(dict(type="rect", x0=x0, x1=x1, xref="x", y0=j / n, y1=(j + 1) / n, yref="y domain",
-                               fillcolor=color, opacity=0.12, line=dict(width=0), layer="below"))
-        if not shown_at(alert):
-            continue
-        t = shown[run]
-        i = int(np.searchsorted(t.steps, alert))
-        y = float(t.values[min(i, len(t) - 1)]) if len(t) else float("nan")
-        first = div.first
-        size = departure_size(div.kind, div.delta, first.delta_sigma if first is not None else div.delta_sigma,
-                              div.candidate_level, div.reference_level)
-        if div.kind == "zero_rate":
-            size = zero_rate_text(div.candidate_level, div.reference_level)
-        name = _text(DIVERGES_PREFIX + labels.get(run, run))
-        k, m = by_alert[alert].index(run), len(by_alert[alert])
-        data.append(dict(
-            type="scatter", x=[alert], y=[y if np.isfinite(y) else None], mode="markers", name=name,
-            legendgroup=run, showlegend=False,
-            # at one step, diamonds nest (the first the largest, drawn first), so every colour shows
-            marker=dict(symbol="diamond", size=11 + 6 * (m - 1 - k), color=color, line=dict(width=1, color="#000")),
-            hovertemplate=_text(f"{DIVERGES_PREFIX}{labels.get(run, run)}: {when_text(onset, alert)}"
-                                ) + "<br>" + _text(f"{div.kind}, {size}") + "<extra></extra>",
-        ))
-    return data, shapes
-
-
-MARKER_KEY = {"NaN": "× NaN", "+inf": "▲ +inf", "-inf": "▼ -inf", "≤0": "○ ≤ 0", "alert": "◆ alert",
-              "onset": "╎ onset"}  # the legend's key: one short entry per marker kind drawn
-
-
-def marker_key(kinds: Sequence[str]) -> str:
-    """The legend's one key to the markers drawn ("× NaN ▲ +inf ◆ alert ╎ onset"), in MARKER_KEY's order;
-    "" for none. Each marker sits under its run's legend entry, in the run's colour."""
-    return "  ".join(MARKER_KEY[k] for k in MARKER_KEY if k in kinds)
-
-
-def key_title(text: str) -> dict:
-    """The legend's title holding the marker key (a row of its own above the runs), or nothing."""
-    return {"title": dict(text=_text(text), font=dict(size=10, color="#666"), side="top")} if text else {}
 
 
 def _strip_axes(rows: int, kinds: Sequence[str], plot_px: float) -> tuple[list[float], dict]:
@@ -347,18 +290,6 @@ def legend_rows(names: Sequence[str], width: float = LEGEND_WIDTH_PX) -> int:
     if sum(widths) <= width:
         return 1
     return math.ceil(len(widths) / max(1, int(width // max(widths))))
-
-
-def _compact(values: np.ndarray) -> np.ndarray:
-    """float32 where it holds the values (a third less JSON), float64 for values beyond its range."""
-    return values.astype(np.float32) if np.abs(values).max(initial=0.0) < 3e38 else values
-
-
-def _text(text: str) -> str:
-    """Run data as plain text for plotly, which reads names, titles and hover templates as a small HTML
-    subset (and `%{...}` as template fields): escaped, `<img src=x onerror=...>` shows as those characters."""
-    return (text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-            .replace("%{", "%&#123;"))
 
 
 def trace_names(fig: go.Figure) -> list[str]:

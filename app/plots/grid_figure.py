@@ -90,7 +90,7 @@ def grid_figure(figures: Sequence[Mapping], *, columns: int = 2, panel_height: i
             xref=f"{refs['x']} domain", x=0, xanchor="left", yanchor="bottom", y=1,
             yref=f"{refs['y'] if 'overlaying' in strip else refs['y2']} domain",  # over the strip, if any
             yshift=6))
-    from rldiag.app.plots.figures import key_title, marker_key
+    from rldiag.app.plots.marks import key_title, marker_key
 
     key = marker_key(list(kinds))
     layout["legend"].pop("title", None)

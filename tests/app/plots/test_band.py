@@ -65,3 +65,27 @@ def test_a_window_the_detector_does_not_test_is_refused():
     refs, cand = _runs(0.0)
     with pytest.raises(ValueError, match=r"window=7: use one of the detector's windows \(11, 21"):
         compute_band(refs, cand, window=7)
+
+
+def test_a_chart_given_the_band_draws_it_beneath_the_runs_with_the_median_it_tests():
+    from rldiag.app.plots.figures import ChartOptions, metric_figure
+
+    refs, cand = _runs(1.5)
+    d = detect_divergence(refs, cand)
+    band, _, _ = compute_band(refs, cand)
+    runs = {**{t.run_id: t for t in refs}, "c": cand}
+    fig = metric_figure("m", runs, reference_ids=[t.run_id for t in refs], divergences={"c": d}, bands={"c": band})
+    upper, lower, median = fig.data[:3]  # beneath every run's line
+    assert lower.fill == "tonexty" and lower.fillcolor.startswith("rgba(") and upper.line.width == 0
+    assert median.name == "c 129-step median" and median.line.dash == "dot"
+    assert all(t.legendgroup == "c" and t.showlegend is False for t in (upper, lower, median))
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["c", "r0", "r1", "r2"]
+    assert "▒ band tested" in fig.layout.legend.title.text
+    # drawn as tested: the dotted median leaves the fill at the alert step, where the diamond is
+    x, lo, hi, med = (np.asarray(v, float) for v in (median.x, lower.y, upper.y, median.y))
+    out = (med < lo - 1e-6) | (med > hi + 1e-6)
+    assert x[np.flatnonzero(out)[0]] == d.alert_step
+    # delta mode: the band is around the detector's centre, not the references' mean: not drawn
+    delta = metric_figure("m", runs, reference_ids=[t.run_id for t in refs], bands={"c": band},
+                          options=ChartOptions(delta=True))
+    assert not [t for t in delta.data if t.fill] and "band" not in (delta.layout.legend.title.text or "")
