@@ -1,6 +1,6 @@
 """`rldiag import tensorboard` against TensorBoard's own reader: 10 runs x 50 scalars x 10k steps (5 M points).
 
-    python -m bench.import_runs [--runs 10] [--scalars 50] [--steps 10000] [--quick]
+    python -m bench.import_runs [--runs 10] [--scalars 50] [--steps 10000] [--quick] [--read-only]
 
 The runs are written once by torch's SummaryWriter (cached under /tmp/rldiag-bench) and then read:
 - TensorBoard: `EventAccumulator(run, size_guidance={"scalars": 0})`, `Reload()`, `Scalars(tag)` for
@@ -10,7 +10,9 @@ The runs are written once by torch's SummaryWriter (cached under /tmp/rldiag-ben
   MLflow), checked by counting the store's rows; then the same import again (nothing new to add);
 - the floor: MLflow's own `log_batch`, 1000 points a call, of the first run's points into another fresh
   store (what any importer into MLflow pays), as points per second beside the import's.
-Ratios are against the EventAccumulator read. `--quick`: 2 runs x 10 scalars x 500 steps.
+Ratios are against the EventAccumulator read. `--quick`: 2 runs x 10 scalars x 500 steps. `--read-only`: the
+two reads alone, no store written (the import is bound by MLflow's writes: about 2,000 points/s on 2 shared
+cores, so 5 M points take the better part of an hour).
 """
 
 from __future__ import annotations
@@ -95,12 +97,31 @@ def timed(fn, *args):
     return time.perf_counter() - t, out
 
 
+def read_only_result(a, total: int, t_ea: float, n_ea: int, t_read: float, n_read: int) -> dict:
+    """The two reads' result (`--read-only`): written as import_runs_read[_quick].json."""
+    ok = n_ea == n_read == total
+    result = {
+        "config": {"runs": a.runs, "scalars": a.scalars, "steps": a.steps, "points": total, "quick": a.quick,
+                   "read_only": True},
+        "env": env_info(),
+        "event_accumulator_s": t_ea, "rldiag_reader_s": t_read, "reader_ratio": t_read / t_ea,
+        "points_read": n_read, "all_points_read": ok,
+        "summary": [summary_row(
+            f"read {a.runs}x{a.scalars}x{a.steps} TensorBoard points", f"rldiag's reader {t_read:.1f} s",
+            f"EventAccumulator read {t_ea:.1f} s", f"{t_read / t_ea:.2f}x", "every point read", ok)],
+    }
+    path = write_result(NAME + "_read" + ("_quick" if a.quick else ""), result)
+    print(f"{'OK' if ok else 'MISMATCH'}: wrote {path}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--scalars", type=int, default=50)
     p.add_argument("--steps", type=int, default=10_000)
     p.add_argument("--quick", action="store_true", help="2 runs x 10 scalars x 500 steps")
+    p.add_argument("--read-only", action="store_true", help="EventAccumulator against rldiag's reader; no import")
     a = p.parse_args(argv)
     if a.quick:
         a.runs, a.scalars, a.steps = 2, 10, 500
@@ -113,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"TensorBoard EventAccumulator: {n_ea:,} points in {t_ea:.1f} s", flush=True)
     t_read, n_read = timed(read_rldiag, root)
     print(f"rldiag's reader alone: {n_read:,} points in {t_read:.1f} s ({t_read / t_ea:.2f}x)", flush=True)
+    if a.read_only:
+        return read_only_result(a, total, t_ea, n_ea, t_read, n_read)
     work = Path(tempfile.mkdtemp(prefix="rldiag-bench-import-"))
     uri = fresh_sqlite_db(work / "mlruns.db")
     t_imp, (status, said) = timed(import_rldiag, root, uri)
