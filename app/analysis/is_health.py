@@ -185,10 +185,13 @@ def is_health(h: Histories, run: str, refs: Sequence[str] = ()) -> ISHealth:
     events = []
     for i, j in _stretches(hit):
         sl = slice(i, j + 1)
-        rises = tuple(Rise(k, float(np.nanmedian(levels[k][1][sl])), float(np.nanmedian(levels[k][0][sl])))
-                      for k in present if 2 * rising[k][sl].sum() >= j - i + 1)
-        rises = rises or tuple(Rise(k, float(np.nanmedian(levels[k][1][sl])), float(np.nanmedian(levels[k][0][sl])))
-                               for k in present if rising[k][sl].any())
+
+        def rise(k: str, sl: slice = sl) -> Rise:
+            return Rise(k, float(np.nanmedian(levels[k][1][sl])), float(np.nanmedian(levels[k][0][sl])))
+
+        # the metrics up on at least half the stretch's steps (else each one up on any of them)
+        rises = (tuple(rise(k) for k in present if 2 * rising[k][sl].sum() >= j - i + 1)
+                 or tuple(rise(k) for k in present if rising[k][sl].any()))
         events.append(ISEvent(run, int(steps[i]), int(steps[j]), ess_key, float(np.nanmedian(base[sl])),
                               float(np.median(ess[sl])), against, rises))
     if events:
