@@ -4,6 +4,7 @@ included) and the watcher call `compare` and only render what it found.
     keys = load_keys(["policy/ratio_mean"])      # what to load: the charted metrics and what the verdict reads
     c = compare(histories, refs, cands, CompareOptions(keys=shown), params=params, alerts=alerts)
     c.verdicts[0].status, .summary.departures, .causes.line()    # per candidate, in candidate order
+    c.verdicts[0].lead                           # the metric every product's headline leads with
     c.all_clear                                  # every candidate compared in full and clean: nothing found
 
 Per candidate (`Verdict`): its status, every departure, its non-finite gradient steps (the NaN-first
@@ -73,6 +74,13 @@ class Verdict:
     @property
     def departures(self) -> tuple[Divergence, ...]:
         return self.summary.departures
+
+    @property
+    def lead(self) -> Divergence | None:
+        """The metric its headline leads with, in the report, on the Compare page and in the verdict rows
+        alike (`CandidateSummary.first`: still out at the end, then furthest past the bar; its
+        `Divergence.lead` the departure named), or None."""
+        return self.summary.first
 
     @property
     def clean(self) -> bool:

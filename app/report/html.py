@@ -116,7 +116,7 @@ def _divergence(c: ReportContent) -> str:
     rows = []
     for r in c.divergence.to_dict("records"):
         s = summaries.get(r["run_id"])
-        rows.append(([e(labels[r["run_id"]]), e(r["key"]), e(status_text(r)), fmt(r["onset_step"]), e(r["kind"] or "-"),
+        rows.append(([e(labels[r["run_id"]]), e(r["key"]), e(status_text(r)), _when(r), e(r["kind"] or "-"),
                       fmt(r["end_step"]) if r["onset_step"] is None or r["end_step"] is not None else "(to the end)",
                       fmt_stat(r["delta"], 3), e(r["size"]) or "-", sigma_cell(r["delta_sigma"]), fmt(r["first_nonfinite_step"]),
                       fmt(r["steps_compared"]), e(metric_note(s, r["key"]) if s else "") or "-"],
@@ -127,9 +127,18 @@ def _divergence(c: ReportContent) -> str:
             if needed else "")
     if c.reference_note:
         note += f'<p class="note">{e(c.reference_note)}</p>'
-    return (note + _table(["candidate", "metric", "status", "onset step", "kind", "end step", "delta",
+    return (note + _table(["candidate", "metric", "status", "alert (onset)", "kind", "end step", "delta",
                       "size (vs reference)", "delta (sigma)", "first non-finite step", "steps compared", "note"],
                       rows, {3, 5, 6, 8, 9, 10}))
+
+
+def _when(r: dict) -> str:
+    """A divergence row's alert step, its onset beside it where it differs: "125 (120)" (kept on one line),
+    "4", "-"."""
+    if r["onset_step"] is None:
+        return "-"
+    alert = r["alert_step"] if r["alert_step"] is not None else r["onset_step"]
+    return fmt(alert) + (f"&nbsp;({fmt(r['onset_step'])})" if alert != r["onset_step"] else "")
 
 
 def _causes(c: ReportContent) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from rldiag.app.analysis.divergence import sigma_cell
 from rldiag.app.analysis.nan_events import unchecked_text
 from rldiag.app.analysis.step_events import step_event_lines
+from rldiag.app.analysis.verdicts import rows_of
 from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
@@ -67,6 +68,10 @@ def render_markdown(c: ReportContent) -> str:
             f"Detector options: {md(c.detector)}.",
             ""]
 
+    rows = rows_of(c.summaries, c.causes, labels)  # the Compare page's table above its charts, the same rows
+    if any(r.departs != "-" or r.cause != "-" for r in rows):
+        out += ["### Verdict", ""] + _table(["candidate", "verdict", "departs", "likely cause", "fix"],
+                                            [[md(x) or "-" for x in r] for r in rows]) + [""]
     out += ["### Divergence from the references", ""]
     if c.reference_note:
         out += [f"*{md(c.reference_note)}*", ""]
@@ -80,12 +85,12 @@ def render_markdown(c: ReportContent) -> str:
     hits = div[div["status"] == "diverged"].to_dict("records")
     if hits:
         out.append("")
-        out += _table(["candidate", "metric", "onset step", "kind", "end step", "delta", "size (vs reference)",
-                       "delta (sigma)", "first non-finite step"],
-                      [[md(labels[r["run_id"]]), md(r["key"]), fmt(r["onset_step"]), md(r["kind"]),
+        out += _table(["candidate", "metric", "onset step", "alert step", "kind", "end step", "delta",
+                       "size (vs reference)", "delta (sigma)", "first non-finite step"],
+                      [[md(labels[r["run_id"]]), md(r["key"]), fmt(r["onset_step"]), fmt(r["alert_step"]), md(r["kind"]),
                         fmt(r["end_step"]) if r["end_step"] is not None else "(to the end)", fmt_stat(r["delta"], 3),
                         md(r["size"]) or "-", sigma_cell(r["delta_sigma"]), fmt(r["first_nonfinite_step"])]
-                       for r in hits], "llrlrrlrr")
+                       for r in hits], "llrrlrrlrr")
     thin = div[div["status"] == "not_enough_steps"].to_dict("records")
     if thin:
         out.append("")
