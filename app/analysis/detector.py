@@ -32,6 +32,20 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
 - A trailing window holding fewer points than its length (a run's first steps, after a gap) is tested
   with the sd of a median of the points it holds (`partial_sd`), in the candidate as in the references'
   own and left-out scores: a 3-step warm-up burst in the first 6 points no longer reads as a shift.
+- Bars from a target false-alarm rate (`DivergenceConfig.alpha`, default 0.001: the chance that a
+  no-change candidate as long as the references gets a false departure on one metric, so a page of 10
+  candidates x 8 metrics rarely shows one). A statistic tested at every step of a longer run reaches
+  further, so a bar fixed in sd is a rate that grows with the run (at 100k steps it flagged 23 of 32
+  held-out no-change candidates of bench.divergence_length). Each bar is at least the level that normal
+  AR(1) noise crosses with probability alpha over the references' length (`calibration.Calibration`:
+  L / span looks of a statistic that stays alike over `span` steps, crossing u^2 times as often as
+  independent values), and at least the largest value the references reach (their own residuals; with 2
+  or more, each left out against the others) carried from the run(s) they were measured on to the
+  target by the same ratio: heavy tails, bursts and decaying impulses raise it by as much as they reach
+  beyond normal noise. `k`, `k_per_halving` and `k_change`/`k_change_loo` stay as floors: with the model
+  bar alone (no floor), 1000-step candidates with one reference at phi 0.85 were flagged on a heavy-tailed
+  jump the one reference never showed (4 false of 96 on bench.divergence_length --quick; 0 with them).
+  alpha = 0: the bars before it (the floors, raised to `calibration_margin` x what the references reach).
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact by a CUSUM split before the alert.
@@ -48,6 +62,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from rldiag.app.analysis.calibration import Calibration
 from rldiag.app.analysis.rolling_median import rolling_median, row_nanmedian
 from rldiag.app.data.trace import Trace
 
@@ -466,6 +481,9 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
 
         loo_level, loo_change = _leave_one_out(vals, smooth, config, null_sd_of, change_sd, split, clean,
                                                lambda x, m, sd: partial_sd(x, m, phi_w, sd, own_of(m)))
+        own_pts = [clean(points(resid[:, j], split)) for j in range(n)]
+        counts = [int(np.isfinite(x).sum()) for x in own_pts]
+        cal = Calibration(config.alpha, max(counts, default=1), sum(counts), phi_w) if config.alpha > 0 else None
         null_sd, thresholds, owns = [], [], []
         for wi, m in enumerate(config.windows):
             sd = null_sd_of(m, n)
@@ -476,21 +494,25 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             owns.append(own_sd)
             top = 0.0
             if own_sd > 0:
-                for j in range(n):
-                    x = clean(points(resid[:, j], split))
+                for x in own_pts:
                     tm = _trailing_median(x, m)
                     if np.isfinite(tm).any():
                         top = max(top, float(np.nanmax(np.abs(tm) / partial_sd(x, m, phi_w, own_sd, own_sd))))
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
             # their bar rises by `k_per_halving` for each halving below the longest window.
-            thresholds.append(window_bar(config, m, top * own_sd / sd if sd > 0 else 0.0, loo_level[wi]))
+            thresholds.append(window_bar(config, m, top, own_sd / sd if sd > 0 else 0.0, loo_level[wi], cal))
         # One reference: nothing to calibrate on, the fixed bar. With 2+, a lower floor, since each change test's
         # bar rises to what the references reach left out in turn. bench.divergence_rl, floor 7.5 -> 6.5: level3
         # median time to alert 17.5 -> 11 and 2 -> 1 misses (seeds 0-39), no false alarm more on held-out seeds
         # 40-119 or on 100k-step runs; 6.0 flagged one more 100k-step run, and 6.0 for a single reference too
         # gave 19 held-out false alarms instead of 8.
         k_floor = config.k_change if n < 2 else config.k_change_loo
-        change_bar = tuple(max(k_floor, config.calibration_margin * c) for c in loo_change)
+        if cal is None:
+            change_bar = tuple(max(k_floor, config.calibration_margin * c) for c in loo_change)
+        else:  # the candidate's change also holds the centre's (about 1/n of its own variance)
+            own_change = _own_change_tops(own_pts, config, change_sd)
+            change_bar = tuple(max(k_floor, cal.model(q) * np.sqrt(1 + 1 / n), cal.extrapolate(q, own), cal.extrapolate(q, loo))
+                               for (q, _), own, loo in zip(config.change_windows, own_change, loo_change))
         diff_scale, var_bar = _variance_bar(vals, sigma, phi, config, compress=split)
         diff_scale = max(diff_scale, rounding)
         zeros = _zero_rate(raw, config) if split else None
@@ -500,12 +522,18 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
     return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros, q)
 
 
-def window_bar(config, m: int, own_top: float, loo: float) -> float:
-    """A trailing window's bar, in its null sd: `k`, raised by `k_per_halving` for each halving below the
-    longest window, or `calibration_margin` x what the references reach on it (`own_top`: their own
-    residuals, in the same null sd; `loo`: each left out against the others), whichever is more."""
+def window_bar(config, m: int, own_top: float, own_share: float, loo: float, cal: Calibration | None = None) -> float:
+    """A trailing window's bar, in its null sd, from what the references reach on it: `own_top`, the largest
+    |trailing median| of their own residuals in sd of their own noise (`own_share` of the null sd: in the
+    null sd, own_top x own_share is the size of their largest excursion, which a candidate's own noise
+    makes too), and `loo`, each left out against the others (in the null sd). With `cal` (alpha > 0):
+    `Calibration.bar` of the two. Else (alpha = 0, the fixed bars before issue 43) `k`, raised by
+    `k_per_halving` for each halving below the longest window, or `calibration_margin` x those, whichever
+    is more."""
     k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
-    return max(k_m, config.calibration_margin * own_top, config.calibration_margin * loo)
+    if cal is not None:
+        return max(k_m, cal.bar(m, own_top * own_share, loo))
+    return max(k_m, config.calibration_margin * own_top * own_share, config.calibration_margin * loo)
 
 
 def _interpolate(x: np.ndarray) -> np.ndarray:
@@ -564,6 +592,8 @@ def _zero_rate(raw: np.ndarray, config) -> ZeroRate:
                 zz = trailing_mean(rj, m) / null_sd_of(m, n - 1)
                 if np.isfinite(zz).any():
                     loo[wi] = max(loo[wi], float(np.nanmax(np.abs(zz))))
+    counts = np.isfinite(z).sum(axis=0)
+    cal = Calibration(config.alpha, int(counts.max()), int(counts.sum()), phi) if config.alpha > 0 else None
     null_sd, thresholds = [], []
     for wi, m in enumerate(config.windows):
         sd = null_sd_of(m, n)
@@ -574,7 +604,7 @@ def _zero_rate(raw: np.ndarray, config) -> ZeroRate:
             if np.isfinite(tm).any():
                 top = max(top, float(np.nanmax(np.abs(tm))) / own_sd)
         null_sd.append(sd)
-        thresholds.append(window_bar(config, m, top * own_sd / sd, loo[wi]))
+        thresholds.append(window_bar(config, m, top, own_sd / sd, loo[wi], cal))
     longest = max(longest_zero_run(z[:, j]) for j in range(n))
     return ZeroRate(rate, phi, tuple(null_sd), tuple(thresholds), int(np.ceil(RUN_FACTOR * max(longest, 1))),
                     float(np.sqrt(spread2)), max(int(np.isfinite(z).sum(axis=0).max()), 2))
@@ -649,6 +679,24 @@ def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, cha
             if np.isfinite(zc).any():
                 change[ci] = max(change[ci], float(np.nanmax(np.abs(zc))))
     return level, change
+
+
+def _own_change_tops(own: list[np.ndarray], config, change_sd: tuple[float, ...]) -> list[float]:
+    """The largest |change| (recent median - the one before, in `change_sd`) each change test reaches on
+    the references' own residuals: what their tails do to it, with one reference too."""
+    out = [0.0] * len(config.change_windows)
+    for x in own:
+        med: dict[int, np.ndarray] = {}
+        for ci, ((q, p), sd) in enumerate(zip(config.change_windows, change_sd)):
+            for w in (q, p):
+                if w not in med:
+                    med[w] = _trailing_median(x, w)
+            before = np.roll(med[p], q)
+            before[:q] = np.nan
+            zc = (med[q] - before) / sd if sd > 0 else np.full(len(x), np.nan)
+            if np.isfinite(zc).any():
+                out[ci] = max(out[ci], float(np.nanmax(np.abs(zc))))
+    return out
 
 
 def _variance_bar(vals: np.ndarray, sigma: float, phi: float, config, compress: bool = False) -> tuple[float, float]:

@@ -84,6 +84,7 @@ class DivergenceConfig:
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
     zero_seed_spread: float = 0.1  # two-part comparison: prior seed-to-seed spread of the zero rate, in sd of one step's 0/1
     impulse_clip: float = 0.0  # > 0: noise innovations beyond this many (robust) sd are impulses, their echo taken out (off: README)
+    alpha: float = 0.001  # false-alarm probability per candidate and metric over the run that sets the bars (0: fixed bars)
     min_delta: float = 0.0  # a departure must exceed this, in metric units
     rel_delta: float = 0.0  # ... and this fraction of the reference's level
 
@@ -98,6 +99,8 @@ class DivergenceConfig:
                 or self.zero_seed_spread < 0):
             raise ValueError(f"invalid {self}: need nonfinite_persist >= 1, seed_spread >= 0, calibration_margin >= 1, "
                              "var_persist >= 1, zero_seed_spread >= 0")
+        if not 0 <= self.alpha < 1:
+            raise ValueError(f"alpha={self.alpha}: use a false-alarm probability in [0, 1), e.g. 0.001 (0: the fixed bars)")
         if not self.impulse_clip >= 0:
             raise ValueError(f"impulse_clip={self.impulse_clip}: use 0 (off) or a number of innovation sd > 0, e.g. 10")
 
