@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from rldiag.app.analysis.causes import SIGNATURE_KEYS, RunCauses, likely_causes
 from rldiag.app.analysis.divergence import (
+    HEADLINE_METRICS,
     CandidateSummary,
     Divergence,
     DivergenceConfig,
@@ -162,4 +163,4 @@ def _opt(v: object) -> str:
     return str(v)
 
 
-__all__ = ["VERDICT_KEYS", "CompareOptions", "Comparison", "Verdict", "compare", "load_keys", "options_text"]
+__all__ = ["HEADLINE_METRICS", "VERDICT_KEYS", "CompareOptions", "Comparison", "Verdict", "compare", "load_keys", "options_text"]

@@ -54,6 +54,7 @@ from rldiag.app.analysis.detector import (
     zero_indicator,
 )
 from rldiag.app.data.trace import Trace
+from rldiag.collectors import keys as K
 
 if TYPE_CHECKING:
     from rldiag.app.data.histories import Histories
@@ -593,6 +594,10 @@ def divergence_frame(divergences: dict[str, dict[str, Divergence]]) -> pd.DataFr
 
 # ---- per candidate: what the comparison says, for a headline ---------------------------------------
 NONFINITE, NOT_COMPARED = "nonfinite", "not_compared"  # CandidateSummary.status, besides Divergence's
+# The metrics a reader sees first: the Compare page charts these by default, and a headline prefers them
+# among lasting departures, so that a report comparing every logged metric names the page's metric.
+HEADLINE_METRICS: tuple[str, ...] = (K.RATIO_MEAN, K.CLIP_RATE, K.CLIP_ACTIVE_RATE, K.KL_NEW_OLD, K.KL_REF, K.ENTROPY,
+                                     K.REWARD_MEAN, K.MISMATCH_LOGPROB_MEAN, K.GRAD_NORM, K.LOSS)
 
 
 @dataclass(frozen=True)
@@ -641,16 +646,18 @@ class CandidateSummary:
     @property
     def ranked(self) -> tuple[Divergence, ...]:
         """The departed metrics, what a headline leads with first: a metric still out at the end before one
-        that came back (a warm-up burst that ended never leads a lasting drift), then the larger
-        (`Departure.weight` of its `Divergence.lead`), the earlier alert, the canonical metric order (so
-        that the order the keys were asked in never changes the headline)."""
+        that came back (a warm-up burst that ended never leads a lasting drift), then one of
+        HEADLINE_METRICS (the Compare page's), then the larger (`Departure.weight` of its
+        `Divergence.lead`), the earlier alert, the canonical metric order (so that the order the keys
+        were asked in never changes the headline)."""
         from rldiag.collectors.keys import CANONICAL_METRICS
 
         order = {k: i for i, k in enumerate(CANONICAL_METRICS)}
 
         def rank(d: Divergence):
             lead = d.lead
-            return (not lead.lasting, -lead.weight, lead.alert_step, order.get(d.key, len(order)), d.key)
+            return (not lead.lasting, d.key not in HEADLINE_METRICS, -lead.weight, lead.alert_step,
+                    order.get(d.key, len(order)), d.key)
 
         return tuple(sorted((d for d in self.departures if d.lead is not None), key=rank))
 

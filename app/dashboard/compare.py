@@ -10,7 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from rldiag.app.analysis.causes import RunCauses
-from rldiag.app.analysis.comparison import load_keys
+from rldiag.app.analysis.comparison import HEADLINE_METRICS, load_keys
 from rldiag.app.analysis.divergence import (
     NOT_COMPARED,
     NOT_ENOUGH_STEPS,
@@ -49,7 +49,8 @@ CHART_POINTS = 1200  # line points per run and chart: each bucket's min and max 
 
 def _controls(sel: Selection, available: list[str]) -> tuple[list[str], ChartOptions, bool]:
     """The page's controls; returns the metrics to draw, the chart options and whether to refresh live."""
-    defaults = [k for k in data.DEFAULT_METRICS if k in available] or available[:8]
+    # what a headline prefers too (`divergence.HEADLINE_METRICS`): the report names the metric this page does
+    defaults = [k for k in HEADLINE_METRICS if k in available] or available[:8]
     with st.expander("Chart options", expanded=False):
         chosen = st.multiselect("Metrics", available, default=defaults, key="compare.metrics")
         c1, c2, c3 = st.columns(3)

@@ -25,13 +25,14 @@ from tests.app.conftest import write_run
 
 N = 240
 NAN_AT = (100, 101, 102)
-KEYS = (K.RATIO_MEAN, K.ENTROPY, K.GRAD_NORM, K.LOSS)
+KEYS = (K.RATIO_MEAN, K.ENTROPY, K.GRAD_NORM, K.LOSS)  # the Compare page's defaults among what the runs log
 GROUP = "one_verdict"
 
 
 def _series(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {K.RATIO_MEAN: 1 + 0.01 * rng.standard_normal(N), K.ENTROPY: 2 + 0.05 * rng.standard_normal(N),
+    return {K.RATIO_MEAN: 1 + 0.01 * rng.standard_normal(N), K.RATIO_MAX: 1.5 + 0.05 * rng.standard_normal(N),
+            K.ENTROPY: 2 + 0.05 * rng.standard_normal(N),
             K.GRAD_NORM: 1 + 0.05 * rng.standard_normal(N), K.LOSS: 0.5 + 0.02 * rng.standard_normal(N),
             K.GRAD_FINITE: np.ones(N)}
 
@@ -47,6 +48,7 @@ def store(store_uri):
         _write(store_uri, f"ref{seed}", "reference", _series(seed))
     mismatch = _series(10)
     mismatch[K.RATIO_MEAN][120:] += 0.08  # 8 noise sd from step 120 to the end: a mismatched engine
+    mismatch[K.RATIO_MAX][120:] += 1.0  # 20 noise sd: larger, on a metric the Compare page does not chart
     burst = _series(11)
     burst[K.ENTROPY][15:40] += 1.0  # a warm-up burst of 20 noise sd that ends ...
     burst[K.LOSS][150:] += 0.16  # ... before the real, lasting drift (8 noise sd)
@@ -99,8 +101,14 @@ def test_report_page_and_watcher_give_each_candidate_the_same_verdict_line(store
     assert expected["nan"] == (STATUS_WORDS["nonfinite"], f"grad/finite 0 at step {NAN_AT[0]}")
     assert expected["seed"] == (STATUS_WORDS["within"], "-")
 
-    # the report: its Verdict table in HTML and in Markdown, and each candidate's line
-    report = build_report(uri, group=GROUP, keys=list(KEYS))
+    # the report as `rldiag report --group` makes it: every canonical metric the runs logged, ratio_max too
+    # (the Compare page's default charts do not have it); it leads with the page's metric all the same
+    report = build_report(uri, group=GROUP)
+    assert K.RATIO_MAX in report.content.keys and set(KEYS) < set(report.content.keys)
+    [mine] = [s for s in report.content.summaries if s.run_id == ids["mismatch"]]
+    by_key = {d.key: d.lead for d in mine.departures}
+    assert by_key[K.RATIO_MAX].lasting and by_key[K.RATIO_MAX].weight > by_key[K.RATIO_MEAN].weight, by_key
+    assert mine.first.key == K.RATIO_MEAN
     assert _cell_rows(report.html) == expected
     assert _md_rows(report.markdown) == expected
     for name in ("mismatch", "burst"):
@@ -108,12 +116,12 @@ def test_report_page_and_watcher_give_each_candidate_the_same_verdict_line(store
         assert f"- {name}: {key.replace('_', chr(92) + '_')} leaves the reference band" in report.markdown
         assert when in report.markdown
 
-    # the Compare page: the table above its charts
+    # the Compare page, its default metrics (KEYS, in its order): the table above its charts
     at = app(uri, monkeypatch, "compare")
     at.sidebar.multiselect(key="sidebar.reference").set_value(refs)
-    at.sidebar.multiselect(key="sidebar.candidates").set_value(list(ids.values()))
-    at.multiselect(key="compare.metrics").set_value(list(KEYS)).run()
+    at.sidebar.multiselect(key="sidebar.candidates").set_value(list(ids.values())).run()
     assert not at.exception, [e.value for e in at.exception]
+    assert sorted(at.multiselect(key="compare.metrics").value) == sorted(KEYS)
     [table] = [m.value for m in at.markdown if "<th>departs</th>" in m.value]
     assert _cell_rows(table) == expected
 
