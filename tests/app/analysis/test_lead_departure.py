@@ -94,3 +94,18 @@ def test_without_a_lasting_departure_the_largest_leads():
     (s,) = summarize(compare_runs(h, REFS, ["cand"]), h, REFS, ["cand"])
     assert [d.key for d in s.ranked] == [K.ENTROPY, K.LOSS], s.departures
     assert all(not d.lead.lasting for d in s.ranked)
+
+
+@pytest.mark.parametrize("shift, seed", [(1.5, 1), (1.5, 4), (2.0, 6)])
+def test_a_small_shift_that_lasts_to_the_end_never_ends_early(shift, seed):
+    # 1.5-2 noise sd from step 200 of 600, to the end: the detector's end rule (a window's median back under
+    # half its bar) ended these at steps 506, 537 and 337 ("leaves the band ... to step 337", then a second
+    # departure from step 340) while the candidate never came back
+    rng = np.random.default_rng(100 + seed)
+    refs = [_trace(f"r{i}", K.LOSS, 1 + 0.05 * rng.standard_normal(600)) for i in range(3)]
+    c = 1 + 0.05 * rng.standard_normal(600)
+    c[200:] += 0.05 * shift
+    d = detect_divergence(refs, _trace("c", K.LOSS, c))
+    [dep] = d.departures
+    assert dep.kind == "level" and dep.lasting and 195 <= dep.onset_step <= 220, d.departures
+    assert "came back" not in departure_when(dep)
