@@ -484,6 +484,13 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         own_pts = [clean(points(resid[:, j], split)) for j in range(n)]
         counts = [int(np.isfinite(x).sum()) for x in own_pts]
         cal = Calibration(config.alpha, max(counts, default=1), sum(counts), phi_w) if config.alpha > 0 else None
+        own_med: list[dict[int, np.ndarray]] = [{} for _ in own_pts]
+
+        def own_trailing(j: int, m: int) -> np.ndarray:  # shared by the level bars and the change bars
+            if m not in own_med[j]:
+                own_med[j][m] = _trailing_median(own_pts[j], m)
+            return own_med[j][m]
+
         null_sd, thresholds, owns = [], [], []
         for wi, m in enumerate(config.windows):
             sd = null_sd_of(m, n)
@@ -494,8 +501,8 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             owns.append(own_sd)
             top = 0.0
             if own_sd > 0:
-                for x in own_pts:
-                    tm = _trailing_median(x, m)
+                for j, x in enumerate(own_pts):
+                    tm = own_trailing(j, m)
                     if np.isfinite(tm).any():
                         top = max(top, float(np.nanmax(np.abs(tm) / partial_sd(x, m, phi_w, own_sd, own_sd))))
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
@@ -510,7 +517,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         if cal is None:
             change_bar = tuple(max(k_floor, config.calibration_margin * c) for c in loo_change)
         else:  # the candidate's change also holds the centre's (about 1/n of its own variance)
-            own_change = _own_change_tops(own_pts, config, change_sd)
+            own_change = _own_change_tops(own_trailing, n, config, change_sd)
             change_bar = tuple(max(k_floor, cal.model(q) * np.sqrt(1 + 1 / n), cal.extrapolate(q, own), cal.extrapolate(q, loo))
                                for (q, _), own, loo in zip(config.change_windows, own_change, loo_change))
         diff_scale, var_bar = _variance_bar(vals, sigma, phi, config, compress=split)
@@ -681,19 +688,19 @@ def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, cha
     return level, change
 
 
-def _own_change_tops(own: list[np.ndarray], config, change_sd: tuple[float, ...]) -> list[float]:
+def _own_change_tops(trailing, seeds: int, config, change_sd: tuple[float, ...]) -> list[float]:
     """The largest |change| (recent median - the one before, in `change_sd`) each change test reaches on
-    the references' own residuals: what their tails do to it, with one reference too."""
+    the references' own residuals (`trailing(j, m)`: seed j's trailing m-medians): what their tails do to
+    it, with one reference too."""
     out = [0.0] * len(config.change_windows)
-    for x in own:
-        med: dict[int, np.ndarray] = {}
+    for j in range(seeds):
         for ci, ((q, p), sd) in enumerate(zip(config.change_windows, change_sd)):
-            for w in (q, p):
-                if w not in med:
-                    med[w] = _trailing_median(x, w)
-            before = np.roll(med[p], q)
+            if not sd > 0:
+                continue
+            before = np.roll(trailing(j, p), q)
             before[:q] = np.nan
-            zc = (med[q] - before) / sd if sd > 0 else np.full(len(x), np.nan)
+            with quiet():
+                zc = (trailing(j, q) - before) / sd
             if np.isfinite(zc).any():
                 out[ci] = max(out[ci], float(np.nanmax(np.abs(zc))))
     return out
