@@ -40,8 +40,8 @@ def test_an_ess_drop_with_a_rising_low_prob_share_is_a_cause_with_its_evidence(s
     rc = causes_of(store_uri, run)
     (c,) = rc.causes
     assert (c.id, c.title, c.step) == (IS_CAUSE, TITLE, 40)
-    assert c.signature == ("policy/ess 0.96 -> 0.45 from step 40 (median of steps 40-59, against its first 10 logged "
-                           "values), while mismatch/low_prob_share rose 0.002 -> 0.04",)
+    assert c.signature == (("policy/ess 0.96 -> 0.45 from step 40 (median of steps 40-59, against its first 10 logged "
+                           "values), while mismatch/low_prob_share rose 0.002 -> 0.04"),)
     assert c.hint == "metrics only: no setting turns the correction off" and c.settings == ()
     assert "truncated importance sampling" in c.fix
     assert rc.line().startswith(f"likely: {TITLE} (metrics only: no setting turns the correction off): policy/ess "
@@ -54,8 +54,8 @@ def test_trl_with_its_correction_off_is_the_setting_that_confirms_it(store_uri):
                     steps=[(s, collapse(s)) for s in range(60)])
     (c,) = causes_of(store_uri, run).causes
     assert c.id == IS_CAUSE and c.hint == ""
-    assert c.settings == ("trainer.vllm_importance_sampling_correction=False: the engine-trainer ratio is not "
-                          "corrected",)
+    assert c.settings == (("trainer.vllm_importance_sampling_correction=False: the engine-trainer ratio is not "
+                          "corrected"),)
 
 
 def test_a_mismatch_cause_cites_the_ess_drop_that_follows_it(store_uri):
@@ -70,8 +70,8 @@ def test_a_mismatch_cause_cites_the_ess_drop_that_follows_it(store_uri):
     assert [c.id for c in rc.causes] == ["stale_weights", IS_CAUSE]
     stale, weights = rc.causes
     assert stale.hint == NO_FINGERPRINT and stale.step == 10 and weights.step == 20
-    assert weights.signature == ("policy/ess 0.97 -> 0.5 from step 20 (median of steps 20-59, against its first 10 "
-                                 "logged values), while mismatch/logprob_abs_diff_mean rose 1e-06 -> 0.005",)
+    assert weights.signature == (("policy/ess 0.97 -> 0.5 from step 20 (median of steps 20-59, against its first 10 "
+                                 "logged values), while mismatch/logprob_abs_diff_mean rose 1e-06 -> 0.005"),)
     assert stale.signature[-1] == f"then the importance weights degenerate: {weights.signature[0]}"
 
 
