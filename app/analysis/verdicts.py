@@ -159,8 +159,8 @@ def check_failed(check: str, e: Exception) -> str:
 
 
 __all__ = ["NON_NEGATIVE", "SOURCE_PIPELINERL", "SOURCE_TRL", "came_back_text", "check_failed", "departure_sentence",
-           "departure_size", "departure_when", "parity_text", "range_text", "row_sentence", "same_params_note", "sentence_size",
-           "when_text"]
+           "departure_size", "departure_when", "parity_text", "range_text", "row_sentence", "same_params_note",
+           "sentence_size", "when_text"]
 
 
 # ---- one row per candidate: the experiments' closing table and the Compare page's first screen ------------

@@ -226,7 +226,8 @@ def others_text(s: CandidateSummary, shown: int = 3) -> str:
     if not rest:
         return ""
     listed = ", ".join(f"{d.key} {V.departure_when(d.lead)}" for d in rest[:shown])
-    return f"{len(rest) + 1} metrics in all; also {listed}" + (f" and {len(rest) - shown} more" if len(rest) > shown else "")
+    more = f" and {len(rest) - shown} more" if len(rest) > shown else ""
+    return f"{len(rest) + 1} metrics in all; also {listed}{more}"
 
 
 def divergence_sentence(row: dict, label: str) -> str:

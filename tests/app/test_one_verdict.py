@@ -62,9 +62,9 @@ def store(store_uri):
 
 def _cell_rows(markup: str) -> dict[str, tuple[str, str]]:
     """{candidate: (verdict, departs)} of the HTML verdict table in `markup` (the report's or the page's)."""
-    [table] = [t for t in re.findall(r"<table>(.*?)</table>", markup, re.S) if "<th>departs</th>" in t]
-    rows = [[html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.S)]
-            for r in re.findall(r"<tr[^>]*>(.*?)</tr>", table.split("<tbody>", 1)[1], re.S)]
+    [table] = [t for t in re.findall(r"<table>(.*?)</table>", markup, re.DOTALL) if "<th>departs</th>" in t]
+    rows = [[html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.DOTALL)]
+            for r in re.findall(r"<tr[^>]*>(.*?)</tr>", table.split("<tbody>", 1)[1], re.DOTALL)]
     return {r[0]: (r[1], r[2]) for r in rows}
 
 

@@ -89,8 +89,8 @@ def test_without_a_lasting_departure_the_largest_leads():
     cand[K.LOSS][30:70] += 0.35  # 7 sd, back at 70: first
     cand[K.ENTROPY][120:170] += 1.0  # 20 sd, back at 170: larger
     runs["cand"] = cand
-    h = Histories("sqlite:///unused.db", "sql", {(r, k): _trace(r, k, v) for r, m in runs.items() for k, v in m.items()},
-                  tuple(runs), {}, {}, {})
+    traces = {(r, k): _trace(r, k, v) for r, m in runs.items() for k, v in m.items()}
+    h = Histories("sqlite:///unused.db", "sql", traces, tuple(runs), {}, {}, {})
     (s,) = summarize(compare_runs(h, REFS, ["cand"]), h, REFS, ["cand"])
     assert [d.key for d in s.ranked] == [K.ENTROPY, K.LOSS], s.departures
     assert all(not d.lead.lasting for d in s.ranked)
