@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 from rldiag.app.analysis.is_health import IS_KEYS, ISEvent, is_health
 from rldiag.app.data.histories import Histories
+from rldiag.app.watch.events import SOURCE
 
 KIND = "is_degenerate"
-SOURCE = "watch"
 WATCH_IS_KEYS = IS_KEYS  # what the watcher loads besides its gradient keys
 log = logging.getLogger("rldiag.watch")
 
