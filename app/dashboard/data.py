@@ -25,7 +25,7 @@ from rldiag.app.analysis.config_diff import RunConfig, config_diff, load_configs
 from rldiag.app.analysis.divergence import Divergence, DivergenceConfig, sigma_cell
 from rldiag.app.data.alerts import load_alert_events
 from rldiag.app.data.disk_cache import DiskCache
-from rldiag.app.data.histories import Histories, load_histories
+from rldiag.app.data.histories import Histories, Progress, load_histories
 from rldiag.app.data.readers import row_at
 from rldiag.app.data.runs import find_runs
 from rldiag.app.data.store import Store, open_store
@@ -208,8 +208,12 @@ def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, l
     fresh_enough = prev is not None and time.monotonic() - prev.loaded_at < IDLE_RELOAD_S
     if prev is not None and prev.stamp[:3] == exact and fresh_enough and not (live or force):
         return prev
-    h = load_histories(get_store(uri), list(run_ids), list(metric_keys),
-                       previous=prev.histories if prev is not None else None)
+    bar = ProgressBar()
+    try:
+        h = load_histories(get_store(uri), list(run_ids), list(metric_keys),
+                           previous=prev.histories if prev is not None else None, progress=bar)
+    finally:
+        bar.close()
     unchanged = prev is not None and prev.stamp[:3] == exact and h.fetched == 0
     stamp = prev.stamp if unchanged else (*exact, uuid.uuid4().hex)  # unique across processes: keys the disk too
     loaded = Loaded(h, stamp, time.monotonic())
@@ -221,6 +225,27 @@ def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, l
     if not unchanged:
         _to_disk(uri, exact, loaded)
     return loaded
+
+
+class ProgressBar:
+    """A `load_histories(progress=)` callback: a progress bar (runs and points read), drawn at its first
+    call; `close()` removes it. A read from memory, or of new rows only, never calls it: nothing shows."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, p: Progress) -> None:
+        runs = f"{p.runs_done} of {p.runs} runs" if p.runs_done is not None else f"{p.runs} runs"
+        text = (f"Reading metric histories from the store (the first load; later ones are from the cache): "
+                f"{runs}, {p.points:,} points read")
+        if self.bar is None:
+            self.bar = st.progress(p.fraction, text=text)
+        else:
+            self.bar.progress(p.fraction, text=text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.empty()
 
 
 def _persisted(kind: str, key: tuple, build):
@@ -245,7 +270,10 @@ def comparison(uri: str, loaded: Loaded, reference_ids: tuple[str, ...], candida
     inputs = hashlib.sha256(repr((sorted((r, sorted(p.items())) for r, p in params.items()), alerts)).encode())
     inputs = inputs.hexdigest()
     key = (loaded.stamp, reference_ids, candidate_ids, metric_keys, inputs, repr(DivergenceConfig.from_env()))
-    return _comparison(key, loaded.histories, params, alerts)
+    # shown only where it takes over half a second (st.spinner's delay): a first load, not one from a cache
+    with st.spinner(f"Comparing {len(candidate_ids)} candidate(s) with the reference on {len(metric_keys)} "
+                    "metrics (first load; later loads are from the cache)...", show_time=True):
+        return _comparison(key, loaded.histories, params, alerts)
 
 
 @st.cache_data(ttl=3600, max_entries=64, show_spinner=False)

@@ -4,6 +4,7 @@
     h.get(run_id, keys.GRAD_NORM)        # a Trace: steps, values (NaN/+inf/-inf told apart)
     h.frame(keys.GRAD_NORM)              # wide DataFrame: one column per run, index step
     h = load_histories(uri, run_ids, ks, previous=h)   # only what is new since h
+    h = load_histories(uri, run_ids, ks, progress=print)  # a Progress after each part read (SQLite)
 
 Every trace is keyed by the canonical metric key: a TRL run's `grad_norm` is `grad/norm` here (the
 alias table in `rldiag.collectors.keys`); where a run logged both names, the canonical one wins.
@@ -11,9 +12,10 @@ alias table in `rldiag.collectors.keys`); where a run logged both names, the can
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -26,6 +28,16 @@ from rldiag.collectors.keys import ALIASES, INF_FLAG_PREFIX, canonical_key, inf_
 
 Method = Literal["auto", "sql", "pgsql", "rest", "client"]
 METHODS: tuple[str, ...] = ("auto", "sql", "pgsql", "rest", "client")
+SLICE_ROWS = 1_000_000  # a first read with `progress` reads the table in rowid slices this long (about 1 s each)
+
+
+class Progress(NamedTuple):
+    """How far a first read from SQLite is (`load_histories(..., progress=)`)."""
+
+    points: int  # rows read so far
+    runs: int  # runs being read
+    runs_done: int | None  # runs read in full (None: read in rowid slices, every run at once)
+    fraction: float  # of the read, 0 to 1
 
 
 def logged_keys_for(keys: Iterable[str]) -> frozenset[str]:
@@ -126,6 +138,7 @@ def load_histories(
     previous: Histories | None = None,
     method: Method = "auto",
     max_workers: int = 8,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Histories:
     """Every point of `keys` (canonical or alias names; None: every key) for `run_ids`.
 
@@ -134,6 +147,10 @@ def load_histories(
     backend and client: keys whose latest (step, timestamp) moved; the server and PostgreSQL paths then
     ask only for rows past those already loaded, the client path reloads those keys. (Off SQLite, a point written with an older
     step and timestamp than a key's latest shows up only on a reload without `previous`.)
+
+    `progress` (SQLite, named `keys`): the runs not in `previous` are read in parts, one run at a time
+    or, where the reader scans the whole table anyway, in rowid slices of SLICE_ROWS, and `progress`
+    gets a `Progress` after each part; the rows read are the same.
     """
     require_store(store)
     how = pick_method(store, method)
@@ -153,7 +170,8 @@ def load_histories(
                                   "check the ids (the dashboard's Runs page lists the runs there)")
         with store.read_only() as con:
             upto = readers.max_rowid(con)
-        new, _ = readers.read_sql(store, fresh, wanted, upto=upto)
+        new = (_read_sql_parts(store, fresh, wanted, upto, progress) if progress is not None and wanted is not None
+               else readers.read_sql(store, fresh, wanted, upto=upto)[0])
         if known:
             inc, _ = readers.read_sql(store, known, wanted, after_rowid=previous._cursor, upto=upto)
             new.update(inc)
@@ -177,6 +195,32 @@ def load_histories(
         upto = 0
 
     return _assemble(store.uri, how, run_ids, known, wanted, previous, new, upto, latest, rows)
+
+
+def _read_sql_parts(store: Store, run_ids: Sequence[str], wanted: frozenset[str], upto: int,
+                    progress: Callable[[Progress], None]) -> dict[Pair, RawSeries]:
+    """`readers.read_sql(store, run_ids, wanted, upto=upto)` in parts, `progress` called after each: rowid
+    slices where the reader scans the table in rowid order anyway (`readers._full_scan`), else one run at
+    a time (an index lookup each, as one query for them all would do)."""
+    if not run_ids or upto <= 0:
+        return {}
+    with store.read_only() as con:
+        by_rowid = readers._full_scan(con, run_ids, sorted(wanted), 0, upto)  # the reader's own rule
+    parts: list[dict[Pair, RawSeries]] = []
+    points = 0
+    if by_rowid:
+        bounds = [*range(0, upto, SLICE_ROWS), upto]
+        for lo, hi in itertools.pairwise(bounds):
+            parts.append(readers.read_sql(store, run_ids, wanted, after_rowid=lo, upto=hi)[0])
+            points += sum(len(s.steps) for s in parts[-1].values())
+            progress(Progress(points, len(run_ids), None, hi / upto))
+    else:
+        for i, run in enumerate(run_ids, 1):
+            parts.append(readers.read_sql(store, [run], wanted, upto=upto)[0])
+            points += sum(len(s.steps) for s in parts[-1].values())
+            progress(Progress(points, len(run_ids), i, i / len(run_ids)))
+    pairs = dict.fromkeys(p for part in parts for p in part)
+    return {p: RawSeries.concat([part[p] for part in parts if p in part]) for p in pairs}
 
 
 def _without(h: Histories, pairs: set[Pair]) -> Histories:

@@ -166,6 +166,33 @@ def test_sql_table_scan_and_index_read_the_same_rows(store_uri, sql_reader, monk
     _assert_same(load_histories(open_store(store_uri), [a, b]), expected)
 
 
+@pytest.mark.parametrize("many_runs", [False, True])
+def test_a_read_with_progress_reads_the_same_rows_in_parts(store_uri, sql_reader, monkeypatch, many_runs):
+    """With `progress`, a first read comes in parts (rowid slices where the table is scanned, else one run
+    at a time), each reported with the points read so far; the histories are those of one read."""
+    from rldiag.app.data import histories as histories_module
+
+    a, b = _rldiag_run(store_uri, name="a"), _trl_run(store_uri)
+    c = _rldiag_run(store_uri, name="c", n=150, seed=2)
+    for i in range(10 if many_runs else 0):  # most of the store: a, b and c are read through the index
+        _rldiag_run(store_uri, name=f"not loaded {i}", n=3, seed=3)
+    ks = [keys.GRAD_NORM, keys.LOSS, keys.RATIO_MEAN, keys.ENTROPY]
+    expected = load_histories(open_store(store_uri), [a, b, c], ks)
+    monkeypatch.setattr(histories_module, "SLICE_ROWS", 97)  # several slices, not on a run's boundary
+    seen = []
+    got = load_histories(open_store(store_uri), [a, b, c], ks, progress=seen.append)
+    _assert_same(got, expected)
+    assert got.fetched == expected.fetched
+    with open_store(store_uri).read_only() as con:
+        rows = con.execute("SELECT MAX(rowid) FROM metrics").fetchone()[0]
+    assert len(seen) == (3 if many_runs else -(-rows // 97)) and len(seen) > 2
+    assert [p.runs for p in seen] == [3] * len(seen)
+    assert [p.runs_done for p in seen] == ([1, 2, 3] if many_runs else [None] * len(seen))
+    points = [p.points for p in seen]
+    assert points == sorted(points) and points[-1] == expected.fetched
+    assert seen[-1].fraction == 1.0 and all(0 < p.fraction <= 1 for p in seen)
+
+
 _HOLD_LOCK = """
 import sqlite3, sys, time
 con = sqlite3.connect(sys.argv[1], isolation_level=None)
