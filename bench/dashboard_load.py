@@ -1,7 +1,7 @@
 """Dashboard page load: 10 runs x 8 metrics x 100k steps (8 M points) with NaN and spikes injected,
 from `rldiag app`'s server to every chart drawn in headless Chromium.
 
-    python -m bench.dashboard_load [--runs 10] [--metrics 8] [--steps 100000] [--loads 3]
+    python -m bench.dashboard_load [--runs 10] [--metrics 8] [--steps 100000] [--loads 3] [--no-busy] [--quick]
 
 The store is made once by MLflow (schema, experiment, runs, tags: run 0 the reference, the others
 candidates of one group) and filled by direct SQL inserts (8 M points through `log_batch` would take
@@ -16,22 +16,30 @@ the server `rldiag app` starts (`rldiag.app.dashboard.serve`), with a fresh disk
   x 8 metrics, and the server keeps them in its disk cache;
 - "cold": the server is stopped and started again (a new process: nothing in memory), then the first
   load: from the disk cache, checked against the store (goal <= 5 s);
-- "warm": the loads after it, from the server's memory (goal <= 3 s).
-The server's start (launch to healthy) is reported beside them. Each load's timeline is printed:
+- "warm": the loads after it, from the server's memory (goal <= 3 s);
+- then "cold" and "warm" again, with another process using one core (`python -c 'while 1: pass'`, as a
+  training job or a test run beside the dashboard would): the same goals (`--no-busy` skips it).
+The server's start (launch to healthy) and the machine's load average before each server are reported
+beside them. The first load must show its progress bar (runs and points read) before any chart: the
+seconds until it shows are reported. Each load's timeline is printed:
 seconds to the websocket connected, the script run started and finished (as the page shows them) and
 every chart drawn, with the chart component's own marks (app/dashboard/static/chart_grid.js): when it
 got its figure, and the seconds plotly.js took to parse and to draw it. Then every injected NaN and
-spike is checked in the drawn data, after the cold and after the warm loads.
+spike is checked in the drawn data, after the cold and after the warm loads. `--quick` (20k steps) writes
+its result beside the full one (dashboard_load_quick.json), not over it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +59,8 @@ METRICS = (keys.RATIO_MEAN, keys.CLIP_RATE, keys.KL_NEW_OLD, keys.ENTROPY, keys.
 EXPERIMENT = "bench-dashboard"
 SPIKE = 30.0
 REPO = Path(__file__).resolve().parent.parent
+# The first load's progress bar (app/dashboard/data.py ProgressBar): its text, once Streamlit draws it.
+PROGRESS_JS = """() => { const p = document.querySelector('[data-testid="stProgress"]'); return p ? p.innerText : null; }"""
 # Polled every 50 ms: names only (copying every trace's arrays on each poll slowed the page it timed).
 NAMES_JS = drawn_panels_js("name: t.name")
 DRAWN_JS = drawn_panels_js("name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])")
@@ -117,14 +127,29 @@ def serve(uri: str, log: Path, cache_dir: Path) -> tuple[subprocess.Popen, str, 
     return start_dashboard(uri, log, env={"RLDIAG_CACHE_DIR": str(cache_dir)}, timeout=300)
 
 
-def server_loads(uri: str, log: Path, cache_dir: Path, runs: list[str], n_charts: int, n: int
-                 ) -> tuple[float, list[tuple[float, dict, list[dict]]]]:
+@contextmanager
+def busy_core(on: bool = True):
+    """Another process using one core for as long as the block runs (nothing when `on` is false)."""
+    if not on:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", "while 1: pass"], start_new_session=True)
+    try:
+        yield
+    finally:
+        stop_group(proc, timeout=5)
+
+
+def server_loads(uri: str, log: Path, cache_dir: Path, runs: list[str], n_charts: int, n: int, *,
+                 first: bool = False) -> tuple[float, list[tuple[float, dict, list[dict]]]]:
     """Start `rldiag app`, time `n` page loads in a row, stop it; its start seconds and each load's
-    (seconds, timeline, charts drawn). The first load may read the store (1800 s allowed)."""
+    (seconds, timeline, charts drawn). `first`: the first load reads the store (1800 s allowed) and must
+    show its progress bar."""
     proc, url, start = serve(uri, log, cache_dir)
     try:
         with chromium() as browser:
-            return start, [load_page(browser, url, runs, n_charts, timeout_s=1800 if i == 0 else 300) for i in range(n)]
+            return start, [load_page(browser, url, runs, n_charts, timeout_s=1800 if first and i == 0 else 300,
+                                     progress=first and i == 0) for i in range(n)]
     finally:
         stop_group(proc, timeout=30)
 
@@ -145,22 +170,28 @@ def settle(cache_dir: Path, timeout_s: float = 300) -> int:
     raise RuntimeError(f"the disk cache in {cache_dir} did not settle in {timeout_s} s")
 
 
-def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float) -> tuple[float, dict, list[dict]]:
+def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float, progress: bool = False
+              ) -> tuple[float, dict, list[dict]]:
     """Seconds from navigation until `n_charts` panels hold every run's line; the load's timeline
-    (seconds: connected, script_started, script_done, drawn); and what the charts drew."""
+    (seconds: connected, script_started, script_done, drawn; with `progress`, when the progress bar
+    first showed and its last text seen); and what the charts drew."""
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
     page.add_init_script(MARKS_JS)
+    bar: dict = {}
     try:
         t0 = time.perf_counter()
         page.goto(url + "compare")
         while True:
             names = [{t["name"] for t in panel["traces"]} for panel in page.evaluate(NAMES_JS)]
+            if progress and (text := page.evaluate(PROGRESS_JS)):
+                bar.setdefault("progress_shown", round(time.perf_counter() - t0, 2))
+                bar["progress_text"] = text
             if len(names) >= n_charts and all(set(runs) <= n for n in names):
                 took = time.perf_counter() - t0
                 marks = {k: round(v / 1000, 2) for k, v in page.evaluate("window.__rldiagMarks").items()}
                 marks.update({k: round(v / 1000, 2) for k, v in page.evaluate(CHART_MARKS_JS).items()})
                 # what was drawn, read once, after the clock stopped
-                return took, {**marks, "drawn": round(took, 2)}, page.evaluate(DRAWN_JS)
+                return took, {**marks, **bar, "drawn": round(took, 2)}, page.evaluate(DRAWN_JS)
             if time.perf_counter() - t0 > timeout_s:
                 raise RuntimeError(f"{len(names)} of {n_charts} panels drawn after {timeout_s} s")
             page.wait_for_timeout(50)
@@ -184,6 +215,34 @@ def check_visible(charts: list[dict], plan: dict[str, dict]) -> dict[str, list]:
     return {"missing_nan": missing_nan, "missing_spike": missing_spike}
 
 
+def load_average() -> float:
+    """The machine's 1-minute load average (other work sharing its cores)."""
+    return round(os.getloadavg()[0], 2)
+
+
+def timed_session(uri: str, log: Path, cache_dir: Path, plan: dict[str, dict], n_charts: int, loads: int,
+                  busy: bool) -> dict:
+    """A new server over the disk cache: its cold load, then `loads` warm ones (with another process on
+    one core when `busy`); the timings, timelines and whether every NaN and spike was drawn."""
+    runs = list(plan)
+    load_before = load_average()
+    with busy_core(busy):
+        start, timed = server_loads(uri, log, cache_dir, runs, n_charts, 1 + loads)
+    (cold, cold_marks, cold_charts), *rest = timed
+    label = "with one core busy" if busy else "no process of its own beside it"
+    print(f"[{label}, load average {load_before}] server up in {start:.2f} s; cold page load (new process, from "
+          f"the disk cache): {cold:.2f} s {cold_marks}")
+    for t, marks, _ in rest:
+        print(f"[{label}] warm page load: {t:.2f} s {marks}")
+    visible, visible_cold = check_visible(rest[-1][2], plan), check_visible(cold_charts, plan)
+    return {"load_average_before": load_before, "server_start_s": start, "cold_s": cold, "cold_timeline_s": cold_marks,
+            "warm_s": [t for t, _, _ in rest], "warm_timelines_s": [m for _, m, _ in rest],
+            "warm_median_s": statistics.median(t for t, _, _ in rest),
+            "drawn_points": sum(len(t["x"]) for c in rest[-1][2] for t in c["traces"]), "charts": len(rest[-1][2]),
+            "all_visible": not any(visible.values()) and not any(visible_cold.values()),
+            "missing_cold": visible_cold, **visible}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=10)
@@ -191,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--loads", type=int, default=3, help="warm page loads timed after the cold one")
     ap.add_argument("--quick", action="store_true", help="20k steps")
+    ap.add_argument("--no-busy", action="store_true", help="skip the loads with another process using one core")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps = 20_000
@@ -201,52 +261,52 @@ def main(argv: list[str] | None = None) -> dict:
     uri = build_store(path, args.runs, args.metrics, args.steps)
     print(f"store {path} ({path.stat().st_size / 1e6:.0f} MB) ready in {time.perf_counter() - t0:.1f} s", flush=True)
     plan = injected(args.runs, args.metrics, args.steps)
-    runs = list(plan)
     log = CACHE / "dashboard-app.log"
     cache_dir = Path(tempfile.mkdtemp(prefix="rldiag-bench-disk-cache-"))
     try:
         # the first server: the first load ever, then its disk cache written
-        (start_first, [(first, first_marks, _)]) = server_loads(uri, log, cache_dir, runs, args.metrics, 1)
-        print(f"server up in {start_first:.2f} s; first load ever (reads {args.runs * args.metrics * args.steps:,} "
-              f"points, computes the divergence): {first:.2f} s {first_marks}", flush=True)
+        load_first = load_average()
+        (start_first, [(first, first_marks, _)]) = server_loads(uri, log, cache_dir, list(plan), args.metrics, 1,
+                                                                first=True)
+        print(f"[load average {load_first}] server up in {start_first:.2f} s; first load ever (reads "
+              f"{args.runs * args.metrics * args.steps:,} points, computes the divergence): {first:.2f} s "
+              f"{first_marks}", flush=True)
         cache_bytes = settle(cache_dir)
         print(f"disk cache: {cache_bytes / 1e6:.0f} MB; server stopped, started again", flush=True)
-        # a new server process over that cache: the cold load, then the warm ones
-        start, loads = server_loads(uri, log, cache_dir, runs, args.metrics, 1 + args.loads)
+        # a new server process over that cache: the cold load, then the warm ones; then again, one core busy
+        quiet = timed_session(uri, log, cache_dir, plan, args.metrics, args.loads, busy=False)
+        busy = None if args.no_busy else timed_session(uri, log, cache_dir, plan, args.metrics, args.loads, busy=True)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    (cold, cold_marks, cold_charts), *rest = loads
-    print(f"server up in {start:.2f} s; cold page load (new process, from the disk cache): {cold:.2f} s {cold_marks}")
-    warm, timelines, charts = [s for s, _, _ in rest], [m for _, m, _ in rest], rest[-1][2]
-    for s, marks in zip(warm, timelines):
-        print(f"warm page load: {s:.2f} s {marks}")
-    visible = check_visible(charts, plan)
-    visible_cold = check_visible(cold_charts, plan)
-    drawn_points = sum(len(t["x"]) for c in charts for t in c["traces"])
-    ok = not any(visible.values()) and not any(visible_cold.values())
-    median = statistics.median(warm)
-    print(f"every NaN and spike drawn (cold and warm): {ok} {visible} {visible_cold}; {drawn_points} points drawn in "
-          f"{len(charts)} metric panels")
-    print(f"cold page load {cold:.2f} s (goal <= {GOAL_COLD_S} s): {'met' if cold <= GOAL_COLD_S else 'NOT met'}; "
-          f"warm median {median:.2f} s (goal <= {GOAL_WARM_S} s): {'met' if median <= GOAL_WARM_S else 'NOT met'}")
+    ok = quiet["all_visible"] and (busy is None or busy["all_visible"])
+    print(f"every NaN and spike drawn (cold and warm): {ok}; {quiet['drawn_points']} points drawn in "
+          f"{quiet['charts']} metric panels; the first load's progress bar showed at "
+          f"{first_marks.get('progress_shown', 'never')} s")
+    rows = []
+    for name, r in [("", quiet), (", another process using one core", busy)]:
+        if r is None:
+            continue
+        cold, median = r["cold_s"], r["warm_median_s"]
+        print(f"cold page load{name} {cold:.2f} s (goal <= {GOAL_COLD_S} s): {'met' if cold <= GOAL_COLD_S else 'NOT met'}; "
+              f"warm median {median:.2f} s (goal <= {GOAL_WARM_S} s): {'met' if median <= GOAL_WARM_S else 'NOT met'}"
+              f" (load average {r['load_average_before']} before)")
+        rows += [
+            summary_row(f"dashboard cold start{name}: a new server process, first page load, from the disk cache",
+                        f"{cold:.2f} s", f"{first:.1f} s (no cache: reads the store)", f"{first / cold:.1f}x faster",
+                        f"<= {GOAL_COLD_S} s, every NaN/spike drawn", cold <= GOAL_COLD_S and r["all_visible"]),
+            summary_row(f"dashboard page load to {args.metrics} metric panels drawn, warm server{name}",
+                        f"{median:.2f} s", "-", "-", f"<= {GOAL_WARM_S} s, every NaN/spike drawn",
+                        median <= GOAL_WARM_S and r["all_visible"]),
+        ]
     result = {
         "env": env_info(), "runs": args.runs, "metrics": args.metrics, "steps": args.steps,
         "points": args.runs * args.metrics * args.steps, "quick": args.quick,
-        "server_start_s": {"first": start_first, "restart": start}, "first_s": first, "first_timeline_s": first_marks,
-        "disk_cache_bytes": cache_bytes, "cold_s": cold, "warm_s": warm,
-        "cold_timeline_s": cold_marks, "warm_timelines_s": timelines,
-        "warm_median_s": median, "drawn_points": drawn_points, "charts": len(charts), "all_visible": ok,
-        "missing_cold": visible_cold, **visible,
-        "summary": [
-            summary_row("dashboard cold start: a new server process, first page load, from the disk cache",
-                        f"{cold:.2f} s", f"{first:.1f} s (no cache: reads 8 M points)", f"{first / cold:.1f}x faster",
-                        f"<= {GOAL_COLD_S} s, every NaN/spike drawn", cold <= GOAL_COLD_S and ok),
-            summary_row("dashboard page load to 8 metric panels drawn, warm server",
-                        f"{median:.2f} s", "-", "-", f"<= {GOAL_WARM_S} s, every NaN/spike drawn",
-                        median <= GOAL_WARM_S and ok),
-        ],
+        "first_s": first, "first_timeline_s": first_marks, "first_load_average_before": load_first,
+        "server_start_s": {"first": start_first, "restart": quiet["server_start_s"]},
+        "disk_cache_bytes": cache_bytes, **{k: v for k, v in quiet.items() if k != "server_start_s"},
+        "busy_core": busy, "all_visible": ok, "summary": rows,
     }
-    print(f"results: {write_result(NAME, result)}")
+    print(f"results: {write_result(NAME + ('_quick' if args.quick else ''), result)}")
     return result
 
 
