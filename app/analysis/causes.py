@@ -392,12 +392,10 @@ def _read(h: Histories, cand: str, refs: tuple[str, ...], mine: Mapping[str, str
     """What the rules read about `cand`: its params' differences, parity, non-finite signature, departures."""
     diffs = S.differing(mine, ref_params) if ref_params and mine else {}  # nothing to compare: no difference
     start = first_step(h, cand)
-    found = [d for d in getattr(summary, "departures", ())
-             if d.kind != "nonfinite" and start is not None and d.onset_step > start]
-    sizes = [d.size if d.kind == "variance" else  # in noise terms, as the tables say it
-             V.departure_size(d.kind, d.delta, d.delta_sigma, d.candidate_level, d.reference_level) for d in found]
-    departures = tuple(f"{d.key} leaves the reference band at step {d.onset_step} ({size})"
-                       for d, size in zip(found, sizes))
+    # each metric's lead departure (the one its headline names), worded as every product words it: alert and onset
+    leads = [(d.key, dep) for d in getattr(summary, "departures", ()) if (dep := d.lead) is not None]
+    departures = tuple(V.departure_sentence(key, dep) for key, dep in leads
+                       if dep.kind != "nonfinite" and start is not None and dep.onset_step > start)
     return _Run(h, cand, refs, mine, ref_params, diffs, parity(h, cand, refs), nonfinite_signature(h, cand),
                 departures, tuple(a for a in alerts if isinstance(a, Mapping)))
 

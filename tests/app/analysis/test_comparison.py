@@ -45,7 +45,8 @@ def runs(tmp_path_factory, template_db):
     uri = f"sqlite:///{path}"
     ids = {"ref0": _run(uri, "ref0", 0), "ref1": _run(uri, "ref1", 1), "seed": _run(uri, "seed", 2),
            "shifted": _run(uri, "shifted", 3, shift=0.1), "nan": _run(uri, "nan", 4, nan_from=0),
-           "unchecked": _run(uri, "unchecked", 5, unchecked=tuple(range(10, 20)))}
+           "unchecked": _run(uri, "unchecked", 5, unchecked=tuple(range(10, 20))),
+           "lr": _run(uri, "lr", 6, shift=0.1, params={"batch_size": "4", "loop.lr": "0.01"})}
     store = open_store(uri)
     h = load_histories(store, list(ids.values()), list(load_keys(SHOWN)))
     params = {r: c.params for r, c in load_configs(store, list(ids.values())).items()}
@@ -116,3 +117,19 @@ def test_the_one_line_rows_never_say_within_the_band_for_a_candidate_that_is_not
     assert c.verdicts[1].status == "within"  # the band test alone would say "within"
     assert rows["unchecked"].verdict == "no departure found, not an all-clear", rows["unchecked"]
     assert rows["seed"].verdict == "within the band" and rows["seed"].departs == "-"
+
+
+def test_a_causes_evidence_says_alert_and_onset_as_every_product_does(runs):
+    # a band departure cited by a likely cause reads as the report's and the watcher's lines: "alerted at
+    # step A (started about step O)" of the metric's lead departure, never the onset alone
+    from rldiag.app.analysis.verdicts import departure_sentence, when_text
+
+    _, ids, h, params = runs
+    (v,) = compare(h, [ids["ref0"], ids["ref1"]], [ids["lr"]], CompareOptions(SHOWN), params=params).verdicts
+    (d,) = v.departures
+    lead = d.lead
+    assert v.causes.first.id == "optimizer" and v.causes.first.settings == ("loop.lr 0.01 vs (not set)",)
+    cited = [t for t in v.causes.first.signature if t.startswith(K.RATIO_MEAN)]
+    assert cited == [departure_sentence(K.RATIO_MEAN, lead)], cited
+    assert when_text(lead.onset_step, lead.alert_step) in cited[0] and "(level, delta " in cited[0]
+    assert lead.alert_step > lead.onset_step and "alerted at step" in cited[0], cited  # both steps said
