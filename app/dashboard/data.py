@@ -152,6 +152,14 @@ class _HistoryCache:
         same = [v for (u, _, ks), v in self.entries.items() if u == uri and ks == key_set]
         return same[-1] if same else None
 
+    def covering(self, exact: tuple) -> tuple | None:
+        """The key of the newest entry for the same store and runs whose keys include all of `exact`'s
+        (the Compare page's entry holds the worst-token and gradient keys that other sections ask for):
+        those are served from it instead of a read of their own (a scan of the whole table on a first load)."""
+        uri, runs, wanted = exact
+        wider = [k for k in self.entries if k[0] == uri and k[1] == runs and set(wanted) <= set(k[2])]
+        return wider[-1] if wider else None
+
 
 @st.cache_resource(max_entries=1, show_spinner=False)
 def _history_cache() -> _HistoryCache:
@@ -197,11 +205,13 @@ def _to_disk(uri: str, exact: tuple, loaded: Loaded) -> None:
 
 def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, live: bool = False,
               force: bool = False) -> Loaded:
-    """Every point of `metric_keys` for `run_ids`. Served from memory; new rows are fetched
-    incrementally when `live` (a picked run is RUNNING), when `force`, or after IDLE_RELOAD_S."""
+    """Every point of `metric_keys` for `run_ids`. Served from memory (also from an entry of the same runs
+    whose keys include these); new rows are fetched incrementally when `live` (a picked run is RUNNING),
+    when `force`, or after IDLE_RELOAD_S. A first read from the store draws a `ProgressBar`."""
     cache = _history_cache()
     exact = (uri, tuple(run_ids), tuple(sorted(metric_keys)))
     with cache.lock:
+        exact = cache.covering(exact) or exact
         prev = cache.previous(uri, exact[2], exact)
     if prev is None:
         prev = _from_disk(uri, exact)
@@ -228,8 +238,9 @@ def histories(uri: str, run_ids: Sequence[str], metric_keys: Sequence[str], *, l
 
 
 class ProgressBar:
-    """A `load_histories(progress=)` callback: a progress bar (runs and points read), drawn at its first
-    call; `close()` removes it. A read from memory, or of new rows only, never calls it: nothing shows."""
+    """A `load_histories(progress=)` callback: a progress bar (runs and points read), drawn once a point
+    has been read; `close()` removes it. A read from memory, or of new rows only, never calls it, and a
+    read that finds no point (keys no picked run logged) draws nothing: nothing shows."""
 
     def __init__(self) -> None:
         self.bar = None
@@ -238,9 +249,9 @@ class ProgressBar:
         runs = f"{p.runs_done} of {p.runs} runs" if p.runs_done is not None else f"{p.runs} runs"
         text = (f"Reading metric histories from the store (the first load; later ones are from the cache): "
                 f"{runs}, {p.points:,} points read")
-        if self.bar is None:
+        if self.bar is None and p.points:
             self.bar = st.progress(p.fraction, text=text)
-        else:
+        elif self.bar is not None:
             self.bar.progress(p.fraction, text=text)
 
     def close(self) -> None:
