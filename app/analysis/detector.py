@@ -508,8 +508,9 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
             # their bar rises by `k_per_halving` for each halving below the longest window.
             thresholds.append(window_bar(config, m, top, own_sd / sd if sd > 0 else 0.0, loo_level[wi], cal))
-        # One reference: nothing to calibrate on, the fixed bar. With 2+, a lower floor, since each change test's
-        # bar rises to what the references reach left out in turn. bench.divergence_rl, floor 7.5 -> 6.5: level3
+        # The floors: one reference, k_change; with 2+, a lower floor, since each change test's bar rises to what
+        # the references reach left out in turn (with alpha > 0 both also rise to what their own residuals
+        # reach, carried to alpha, and to the model's bar, x sqrt(1 + 1/n) for the centre's own change). bench.divergence_rl, floor 7.5 -> 6.5: level3
         # median time to alert 17.5 -> 11 and 2 -> 1 misses (seeds 0-39), no false alarm more on held-out seeds
         # 40-119 or on 100k-step runs; 6.0 flagged one more 100k-step run, and 6.0 for a single reference too
         # gave 19 held-out false alarms instead of 8.
