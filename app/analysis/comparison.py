@@ -18,13 +18,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rldiag.app.analysis.causes import SIGNATURE_KEYS, RunCauses, likely_causes
 from rldiag.app.analysis.divergence import (
     HEADLINE_METRICS,
+    Band,
     CandidateSummary,
     Divergence,
     DivergenceConfig,
     compare_runs,
+    compute_band,
     reference_note,
     summarize,
 )
@@ -102,6 +106,9 @@ class Comparison:
     verdicts: tuple[Verdict, ...]
     reference_note: str = ""  # what a single reference cannot tell
     options_text: str = field(default="defaults")  # the detector options it ran with: "defaults" or each override
+    # {key: {candidate: Band}}: the band each diverged candidate's lead level departure was tested against
+    # (`tested_band`), for a chart to draw: the band drawn is the band tested
+    bands: dict[str, dict[str, Band]] = field(default_factory=dict)
 
     @property
     def summaries(self) -> tuple[CandidateSummary, ...]:
@@ -141,9 +148,53 @@ def compare(histories: Histories, reference_ids: Sequence[str], candidate_ids: S
     summaries = with_truncation_hints(with_overflow_hints(
         summarize(divergences, histories, refs, cands, keys, config), histories, params), histories, params)
     causes = likely_causes(histories, params, refs, cands, summaries=summaries, alerts=alerts)
+    bands = {key: b for key, by in divergences.items() if (b := tested_bands(histories, key, refs, by, config))}
     return Comparison(refs, cands, keys, config, divergences,
                       tuple(Verdict(s, c) for s, c in zip(summaries, causes)),
-                      reference_note(len(refs), config) if refs else "", options_text(config))
+                      reference_note(len(refs), config) if refs else "", options_text(config), bands)
+
+
+def tested_bands(histories: Histories, key: str, reference_ids: Sequence[str],
+                 divergences: Mapping[str, Divergence], config: DivergenceConfig | None = None) -> dict[str, Band]:
+    """`{candidate: Band}` of `key` for a chart's `bands=`: `tested_band` of each diverged candidate in
+    `divergences` (`{candidate: Divergence}`, as `Comparison.divergences[key]`) that has one. `config`: the
+    verdicts' (None: `DivergenceConfig.from_env`, as `compare`); only diverged candidates cost anything."""
+    config = config if config is not None else DivergenceConfig.from_env()
+    refs = [t for t in histories.for_key(key, reference_ids).values() if len(t)] if reference_ids else []
+    out = {}
+    for cand, d in divergences.items():
+        t = histories.get(cand, key) if refs and d.diverged else None
+        if t is not None and len(t) and (band := tested_band(refs, t, d, config)) is not None:
+            out[cand] = band
+    return out
+
+
+def tested_band(references: Sequence, candidate, divergence: Divergence,
+                config: DivergenceConfig | None = None) -> Band | None:
+    """The band the detector tested `divergence`'s lead departure (`Divergence.lead`, a level one) against:
+    of its trailing windows, longest first, the one whose median first leaves its band at or after the
+    onset exactly at the alert step; else the one that leaves it earliest within the departure. None for
+    a variance, zero-rate or non-finite lead (no band tests those) or where no window's median leaves its
+    band within the departure (a band that held a flagged candidate would read as "inside")."""
+    dep, config = divergence.lead, config if config is not None else DivergenceConfig()
+    if dep is None or dep.kind != "level":
+        return None
+    best, best_step = None, None
+    for window in reversed(config.windows):
+        band = compute_band(references, candidate, config, window=window)[0]
+        with np.errstate(invalid="ignore"):
+            out = (band.candidate < band.lower) | (band.candidate > band.upper)
+        out &= band.steps >= dep.onset_step
+        if dep.end_step is not None:
+            out &= band.steps <= dep.end_step
+        if not out.any():
+            continue
+        first = int(band.steps[np.flatnonzero(out)[0]])
+        if first == dep.alert_step:
+            return band
+        if best_step is None or first < best_step:
+            best, best_step = band, first
+    return best
 
 
 def options_text(config: DivergenceConfig) -> str:
@@ -163,4 +214,5 @@ def _opt(v: object) -> str:
     return str(v)
 
 
-__all__ = ["HEADLINE_METRICS", "VERDICT_KEYS", "CompareOptions", "Comparison", "Verdict", "compare", "load_keys", "options_text"]
+__all__ = ["HEADLINE_METRICS", "VERDICT_KEYS", "CompareOptions", "Comparison", "Verdict", "compare", "load_keys",
+           "options_text", "tested_band", "tested_bands"]

@@ -144,7 +144,8 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     divergence = divergence_frame(divergences)
 
     figures = {key: metric_figure(key, histories.for_key(key, ids), labels=labels, reference_ids=refs,
-                                  colors=colors, divergences=divergences.get(key, {}), options=options) for key in keys}
+                                  colors=colors, divergences=divergences.get(key, {}), bands=found.bands.get(key),
+                                  options=options) for key in keys}  # the band drawn is the band tested
 
     events = nan_events(histories, store, ids, alerts=alerts)
     nonfinite = nonfinite_table(histories, ids)

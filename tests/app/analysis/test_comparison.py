@@ -133,3 +133,24 @@ def test_a_causes_evidence_says_alert_and_onset_as_every_product_does(runs):
     assert cited == [departure_sentence(K.RATIO_MEAN, lead)], cited
     assert when_text(lead.onset_step, lead.alert_step) in cited[0] and "(level, delta " in cited[0]
     assert lead.alert_step > lead.onset_step and "alerted at step" in cited[0], cited  # both steps said
+
+
+def test_the_comparison_carries_the_band_each_diverged_candidate_was_tested_against(runs):
+    # only diverged (candidate, metric) pairs with a level lead get a band; its trailing median leaves it at the
+    # alert step, within the departure, with the verdicts' own detector options
+    from rldiag.app.analysis.comparison import tested_bands
+
+    _, ids, h, params = runs
+    refs, cands = [ids["ref0"], ids["ref1"]], [ids["seed"], ids["shifted"], ids["nan"]]
+    c = compare(h, refs, cands, CompareOptions(SHOWN), params=params)
+    assert {k: set(b) for k, b in c.bands.items()} == {K.RATIO_MEAN: {ids["shifted"]}}  # nan's grad/norm: non-finite
+    band, lead = c.bands[K.RATIO_MEAN][ids["shifted"]], c.divergences[K.RATIO_MEAN][ids["shifted"]].lead
+    out = (band.candidate < band.lower) | (band.candidate > band.upper)
+    assert int(band.steps[np.flatnonzero(out & (band.steps >= lead.onset_step))[0]]) == lead.alert_step
+    assert band.window in DivergenceConfig().windows
+    # a chart given only the divergences (the Compare page's figure) computes the same band
+    again = tested_bands(h, K.RATIO_MEAN, refs, c.divergences[K.RATIO_MEAN], c.detector)
+    assert set(again) == {ids["shifted"]} and np.array_equal(again[ids["shifted"]].upper, band.upper)
+    wide = compare(h, refs, [ids["shifted"]], CompareOptions(SHOWN, DivergenceConfig(min_delta=0.02)), params=params)
+    wider = wide.bands[K.RATIO_MEAN][ids["shifted"]]  # the options it ran with: the floor widens the band drawn
+    assert np.nanmedian(wider.upper - wider.lower) > np.nanmedian(band.upper - band.lower) + 0.03

@@ -112,6 +112,25 @@ def test_markdown_says_where_the_shifted_candidate_diverges(report, runs):
                      r"vs (1|0\.99\d*|1\.00\d*) \(\+[6-9]%, \+\d+\.\d sd\)\)", report.markdown), report.markdown
 
 
+def test_the_band_drawn_is_the_band_tested(report, runs):
+    # the shifted candidate's ratio-mean chart shades the band its level departure was tested against, with
+    # its trailing median dotted: that median leaves the shaded band at the step the report says it alerted
+    div = report.divergence
+    alert = div[(div.run_id == runs["shifted"]) & (div.key == K.RATIO_MEAN)].alert_step.item()
+    fig = report.figures[K.RATIO_MEAN]
+    band = [t for t in fig.data if re.fullmatch(r"cand-shifted (band \(\d+-step median\)|\d+-step median)", t.name)]
+    upper, lower, median = band  # the window whose median crossed at the alert: an 8-sd step, the shortest
+    assert lower.name == f"cand-shifted band ({median.name.split()[1]} median)", [t.name for t in band]
+    assert lower.fill == "tonexty" and median.line.dash == "dot"
+    x, lo, hi, med = (np.asarray(v, float) for v in (median.x, lower.y, upper.y, median.y))
+    out = (med < lo - 1e-9) | (med > hi + 1e-9)
+    assert x[np.flatnonzero(out)[0]] == alert and alert >= SHIFT_AT
+    assert (x >= alert).sum() > 10 and out[x >= alert].all()  # a lasting shift: out to the end
+    # no band for a candidate without a level departure, nor on a metric no candidate left
+    assert not [t for t in fig.data if t.fill and t.legendgroup != runs["shifted"]]
+    assert not [t for t in report.figures[K.LOSS].data if t.fill]
+
+
 def test_markdown_lists_nonfinite_gradient_steps(report):
     rows = _table(report.markdown, "### Non-finite gradients")
     by_run = {r[0]: dict(zip(rows[0], r)) for r in rows[1:]}
