@@ -23,7 +23,8 @@ Each poll cycle (one at a time, every `--interval` seconds):
    8 rows or a run that ends in it is alerted;
 6. an effective-sample-size drop with a rising mismatch (`rldiag.app.watch.is_events`) is alerted once per stretch.
 With `--divergence`, candidates (tag rldiag.role=candidate) are also compared with the reference runs
-of their rldiag.group (`rldiag.app.analysis.divergence`), once per (run, metric).
+of their rldiag.group (`rldiag.app.analysis.divergence`), once per departure: a burst that ended and a
+later lasting shift of one metric are two events (`WatchState`: each departure's onset to alert).
 
 Delivery is at-least-once: events go out before the state is saved, so only a hard kill between the
 two can repeat that cycle's events; SIGTERM and Ctrl-C finish the cycle and save.
@@ -305,8 +306,6 @@ class Watcher:
 
     def _check_divergence(self, runs: list) -> int:
         from rldiag.app.analysis.comparison import CompareOptions, compare, load_keys
-        from rldiag.app.analysis.divergence import divergence_frame
-
         cands = [r for r in runs if r.data.tags.get(keys.TAG_ROLE) == "candidate" and r.data.tags.get(keys.TAG_GROUP)]
         if not cands:
             return 0
@@ -331,20 +330,26 @@ class Watcher:
             # the one comparison (the report's and the dashboard's): departures and likely causes
             found = compare(self._div_h, refs[g], [run_id], CompareOptions(metrics, self.detector),
                             params={run_id: dict(r.data.params), **{i: ref_params.get(i, {}) for i in refs[g]}})
-            table = divergence_frame(found.divergences)
             rs, cause = None, _cause_line(found)
-            for row in table[table["onset_step"].notna()].to_dict("records"):
-                rs = rs or self.state.run(run_id, name)
-                if row["key"] in rs.diverged:
+            for key, by in found.divergences.items():
+                d = by.get(run_id)
+                if d is None or not d.diverged:
                     continue
-                event = divergence_event(run_id, name, g, refs[g], row, cause)
-                for sink in self.sinks:  # once per (run, metric): no rate limit needed
-                    try:
-                        sink.send(event)
-                    except Exception as e:  # noqa: BLE001 - a broken sink must not stop the others
-                        log.warning("rldiag watch: alert sink %r failed: %s: %s", sink, type(e).__name__, e)
-                rs.diverged[row["key"]] = event["step"]
-                sent += 1
+                rs = rs or self.state.run(run_id, name)
+                deps = d.departures or (d.lead,)
+                if rs.legacy(key):  # an older watcher sent the metric's first departure and kept its onset only
+                    rs.tell_departure(key, deps[0].onset_step, deps[0].alert_step)
+                new = [p for p in deps if not rs.told_departure(key, p.onset_step, p.end_step)]
+                for p in _to_send(new, d.lead, run_id, key):
+                    event = divergence_event(run_id, name, g, refs[g], _departure_row(d, p), cause)
+                    for sink in self.sinks:  # once per departure, at most a few a poll: no rate limit needed
+                        try:
+                            sink.send(event)
+                        except Exception as e:  # noqa: BLE001 - a broken sink must not stop the others
+                            log.warning("rldiag watch: alert sink %r failed: %s: %s", sink, type(e).__name__, e)
+                    sent += 1
+                for p in new:
+                    rs.tell_departure(key, p.onset_step, p.alert_step)
         return sent
 
     def close(self) -> None:
@@ -355,6 +360,34 @@ class Watcher:
                 s.close()
             except Exception as e:  # noqa: BLE001 - close the others
                 log.warning("rldiag watch: closing %r failed: %s", s, e)
+
+
+MAX_DEPARTURES_PER_POLL = 3  # new departures of one (run, metric) sent in one poll (a first poll of a long run)
+
+
+def _to_send(new: list, lead, run_id: str, key: str) -> list:
+    """The new departures to send, in onset order: all, or the last MAX_DEPARTURES_PER_POLL with the
+    metric's lead departure kept among them (the rest are remembered unsent, and logged)."""
+    if len(new) <= MAX_DEPARTURES_PER_POLL:
+        return new
+    keep = new[-MAX_DEPARTURES_PER_POLL:]
+    if lead in new and lead not in keep:
+        keep = [lead, *new[-(MAX_DEPARTURES_PER_POLL - 1):]]
+    log.info("rldiag watch: run %s, %s: %d earlier departures not sent (the report lists every one)",
+             run_id, key, len(new) - len(keep))
+    return keep
+
+
+def _departure_row(d, p) -> dict:
+    """The `divergence_frame` row of `d` (a `Divergence`) for its departure `p`: the event of that departure."""
+    from rldiag.app.analysis.divergence import DIVERGENCE_COLUMNS
+    from rldiag.app.analysis.verdicts import departure_size
+
+    row = {f: getattr(d, f) for f in DIVERGENCE_COLUMNS[1:]}
+    row.update(onset_step=p.onset_step, alert_step=p.alert_step, end_step=p.end_step, kind=p.kind, delta=p.delta,
+               delta_sigma=p.delta_sigma, candidate_level=p.candidate, reference_level=p.reference,
+               size=departure_size(p.kind, p.delta, p.delta_sigma) if p.kind == "variance" else row["size"])
+    return row
 
 
 def _cause(h: Histories, run) -> str:

@@ -6,8 +6,14 @@ nor misses an event.
      "runs": {"<run_id>": {"name": "grpo-v1",
                            "alerted": [[3, 3], [7, 9]],        # steps alerted on, as closed ranges
                            "alerts": 4, "first_step": 3,       # for the MLflow tag sink's counters
-                           "diverged": {"policy/ratio_mean": 120},
-                           "noted": {"scaler_overflow": [[0, 0]]}}}}   # other events told (not alerts)
+                           "diverged": {"policy/ratio_mean": 120},    # the metric's first departure's onset
+                           "noted": {"scaler_overflow": [[0, 0]],     # other events told (not alerts)
+                                     "divergence policy/ratio_mean": [[118, 125], [300, 312]]}}}}
+                                     # each departure sent: its onset to its alert
+
+A metric's departures are remembered by the steps from their onset to their alert: a departure whose steps
+meet none of them is new (one that ended and a later one are two events; the same one, its onset placed
+again as data arrive, is not).
 
 Only runs that alerted get an entry, and a run of consecutive bad steps is one range, so the file stays
 small. It is written atomically (a temporary file, then `os.replace`) and guarded by an exclusive
@@ -24,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 VERSION = 1
+DEPARTURE = "divergence "  # `noted` kind of a metric's departures sent: "divergence policy/ratio_mean"
 
 
 class StateError(ValueError):
@@ -44,8 +51,13 @@ def in_ranges(steps: np.ndarray, ranges: list[list[int]]) -> np.ndarray:
 
 def add_steps(ranges: list[list[int]], steps) -> list[list[int]]:
     """`ranges` (sorted, disjoint, closed) with `steps` added, neighbours merged (one sort for all)."""
+    return add_ranges(ranges, [[int(s), int(s)] for s in steps])
+
+
+def add_ranges(ranges: list[list[int]], more: list[list[int]]) -> list[list[int]]:
+    """`ranges` (sorted, disjoint, closed) with the closed ranges `more` added, neighbours merged."""
     merged: list[list[int]] = []
-    for a, b in sorted(ranges + [[int(s), int(s)] for s in steps]):
+    for a, b in sorted(ranges + more):
         if merged and a <= merged[-1][1] + 1:
             merged[-1][1] = max(merged[-1][1], b)
         else:
@@ -70,6 +82,22 @@ class RunState:
 
     def note(self, kind: str, steps) -> None:
         self.noted[kind] = add_steps(self.noted.get(kind, []), steps)
+
+    def told_departure(self, key: str, onset: int, end: int | None) -> bool:
+        """A departure of `key` from `onset` to `end` (None: still out) meets one already sent (its onset to
+        its alert). A state written before departures were kept has only `diverged`: see `legacy`."""
+        hi = end if end is not None else np.iinfo(np.int64).max
+        return any(a <= hi and b >= onset for a, b in self.noted.get(DEPARTURE + key, []))
+
+    def legacy(self, key: str) -> bool:
+        """`key`'s first departure was sent by a watcher that kept only its onset (`diverged`), not its steps."""
+        return key in self.diverged and DEPARTURE + key not in self.noted
+
+    def tell_departure(self, key: str, onset: int, alert: int) -> None:
+        """Remember a departure of `key` sent: its steps from onset to alert (`noted`), and the metric's first
+        onset (`diverged`)."""
+        self.noted[DEPARTURE + key] = add_ranges(self.noted.get(DEPARTURE + key, []), [[int(onset), int(alert)]])
+        self.diverged.setdefault(key, int(onset))
 
     def new_steps(self, steps: np.ndarray) -> np.ndarray:
         """The steps of `steps` (unique, sorted) not alerted on yet."""

@@ -69,6 +69,25 @@ def test_ranges_and_new_steps():
 
 
 # ---- one process, a SQLite store ---------------------------------------------------------------------
+def test_a_first_poll_of_many_new_departures_sends_the_last_few_and_the_lead():
+    from rldiag.app.analysis.divergence import Departure
+    from rldiag.app.watch.loop import MAX_DEPARTURES_PER_POLL, _to_send
+
+    def dep(onset: int, sd: float, lasting: bool = False) -> Departure:
+        return Departure("level", onset, onset + 3, None if lasting else onset + 9, 1.0, 1.0, 0.1, sd)
+
+    bursts = [dep(100 * i, 6.0 + (i == 2) * 20) for i in range(8)]
+    assert _to_send(bursts[:3], bursts[2], "r", "k") == bursts[:3]
+    sent = _to_send(bursts, bursts[2], "r", "k")  # the largest, then the latest
+    assert len(sent) == MAX_DEPARTURES_PER_POLL and sent == [bursts[2], *bursts[-2:]]
+    lasting = [*bursts[:7], dep(900, 6.0, lasting=True)]
+    assert _to_send(lasting, lasting[-1], "r", "k") == lasting[-3:]
+    rs = RunState()
+    rs.tell_departure("k", 100, 103)
+    assert rs.told_departure("k", 98, None) and rs.told_departure("k", 103, 110) and not rs.told_departure("k", 104, 120)
+    assert not rs.told_departure("k", 90, 99) and not rs.told_departure("other", 100, None) and not rs.legacy("k")
+
+
 def test_every_grad_norm_name_maxfloat_and_flag_incremental_and_restart(store_uri, tmp_path):
     trl = running_run(store_uri, "trl")
     verl = running_run(store_uri, "verl")
@@ -483,3 +502,49 @@ def test_a_run_logged_with_no_step_is_alerted_at_its_place_in_logging_order(stor
     assert "at step 12" not in first
     [loss] = [e["text"] for e in got if e["kind"] == "nonfinite_loss"]
     assert "loss is nan in run nostep" in loss and "at value 5 in logging order (counted from 0;" in loss, loss
+
+
+def test_each_new_departure_is_sent_once_a_burst_that_ended_then_a_lasting_shift(store_uri, tmp_path):
+    """A running candidate's ratio mean bursts 10 sd up at steps 60-74 and comes back, then shifts 6 sd up
+    for good from step 200: the first poll (to step 150) sends the burst, with where it came back; the
+    second (to step 300) sends the lasting shift and not the burst again; a restart on the state file, and
+    a state written before departures were kept (the first departure's onset only), repeat neither."""
+    rng = np.random.default_rng(7)
+    group = {keys.TAG_GROUP: "later"}
+    for seed in range(3):
+        noise = rng.normal(0, 0.01, 300)
+        write_run(store_uri, name=f"ref{seed}", tags={**group, keys.TAG_ROLE: "reference"},
+                  steps=[(s, {keys.RATIO_MEAN: 1.0 + noise[s]}) for s in range(300)])
+    s = np.arange(300)
+    values = 1.0 + rng.normal(0, 0.01, 300) + np.where((s >= 60) & (s < 75), 0.1, 0.0) + np.where(s >= 200, 0.06, 0.0)
+    cand = write_run(store_uri, name="cand", tags={**group, keys.TAG_ROLE: "candidate"}, finish=False,
+                     steps=[(i, {keys.RATIO_MEAN: float(values[i])}) for i in range(150)])
+    alerts, state = tmp_path / "alerts.jsonl", tmp_path / "s.json"
+    w = Watcher(open_store(store_uri), WatchState.load(state), [JsonlSink(alerts)], divergence=True)
+    assert w.poll().alerts == 1
+    (burst,) = read_events(alerts)
+    assert burst["run_id"] == cand and burst["key"] == keys.RATIO_MEAN and 58 <= burst["onset_step"] <= 62
+    assert burst["end_step"] is not None and 72 <= burst["end_step"] <= 80, burst
+    assert f"came back after step {burst['end_step']}" in burst["text"], burst["text"]
+    assert w.poll().alerts == 0
+    write_run(store_uri, run_id=cand, finish=False, steps=[(i, {keys.RATIO_MEAN: float(values[i])}) for i in range(150, 300)])
+    assert w.poll().alerts == 1
+    first, shift = read_events(alerts)
+    assert first == burst and shift["key"] == keys.RATIO_MEAN and 195 <= shift["onset_step"] <= 204, shift
+    assert shift["end_step"] is None and shift["alert_step"] >= shift["onset_step"] and shift["departure"] == "level"
+    assert when_text(shift["onset_step"], shift["alert_step"]) + " (level, delta 0.0" in shift["text"], shift["text"]
+    assert w.poll().alerts == 0
+    told = json.loads(state.read_text())["runs"][cand]
+    assert told["diverged"] == {keys.RATIO_MEAN: burst["onset_step"]}
+    assert told["noted"]["divergence " + keys.RATIO_MEAN] == [[burst["onset_step"], burst["alert_step"]],
+                                                              [shift["onset_step"], shift["alert_step"]]]
+    restarted = Watcher(open_store(store_uri), WatchState.load(state), [JsonlSink(alerts)], divergence=True)
+    assert restarted.poll().alerts == 0
+    # a state file from a watcher that kept only the first departure's onset: the later departure is sent, once
+    del told["noted"]["divergence " + keys.RATIO_MEAN]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"version": 1, "last_poll_ms": None, "runs": {cand: told}}))
+    older = tmp_path / "older.jsonl"
+    w3 = Watcher(open_store(store_uri), WatchState.load(old), [JsonlSink(older)], divergence=True)
+    assert w3.poll().alerts == 1 and [e["onset_step"] for e in read_events(older)] == [shift["onset_step"]]
+    assert w3.poll().alerts == 0
