@@ -84,7 +84,8 @@ def test_a_first_poll_of_many_new_departures_sends_the_last_few_and_the_lead():
     assert _to_send(lasting, lasting[-1], "r", "k") == lasting[-3:]
     rs = RunState()
     rs.tell_departure("k", 100, 103)
-    assert rs.told_departure("k", 98, None) and rs.told_departure("k", 103, 110) and not rs.told_departure("k", 104, 120)
+    assert rs.told_departure("k", 98, None) and rs.told_departure("k", 103, 110)
+    assert not rs.told_departure("k", 104, 120)
     assert not rs.told_departure("k", 90, 99) and not rs.told_departure("other", 100, None) and not rs.legacy("k")
 
 
@@ -527,7 +528,8 @@ def test_each_new_departure_is_sent_once_a_burst_that_ended_then_a_lasting_shift
     assert burst["end_step"] is not None and 72 <= burst["end_step"] <= 80, burst
     assert f"came back after step {burst['end_step']}" in burst["text"], burst["text"]
     assert w.poll().alerts == 0
-    write_run(store_uri, run_id=cand, finish=False, steps=[(i, {keys.RATIO_MEAN: float(values[i])}) for i in range(150, 300)])
+    write_run(store_uri, run_id=cand, finish=False,
+              steps=[(i, {keys.RATIO_MEAN: float(values[i])}) for i in range(150, 300)])
     assert w.poll().alerts == 1
     first, shift = read_events(alerts)
     assert first == burst and shift["key"] == keys.RATIO_MEAN and 195 <= shift["onset_step"] <= 204, shift
