@@ -53,10 +53,13 @@ def load_keys(metric_keys: Sequence[str]) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class CompareOptions:
     """`keys`: the metrics compared (None: every canonical metric any of the runs logged); `detector`:
-    the divergence detector's options (None: `DivergenceConfig.from_env`, i.e. `--detector` or defaults)."""
+    the divergence detector's options (None: `DivergenceConfig.from_env`, i.e. `--detector` or defaults);
+    `bands`: also keep the band each diverged candidate was tested against (`Comparison.bands`, for charts:
+    a few ms a diverged pair, but six arrays of its steps each, so only where charts are drawn from it)."""
 
     keys: Sequence[str] | None = None
     detector: DivergenceConfig | None = None
+    bands: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class Comparison:
     reference_note: str = ""  # what a single reference cannot tell
     options_text: str = field(default="defaults")  # the detector options it ran with: "defaults" or each override
     # {key: {candidate: Band}}: the band each diverged candidate's lead level departure was tested against
-    # (`tested_band`), for a chart to draw: the band drawn is the band tested
+    # (`tested_band`), for a chart to draw: the band drawn is the band tested (with `CompareOptions.bands`)
     bands: dict[str, dict[str, Band]] = field(default_factory=dict)
 
     @property
@@ -148,7 +151,8 @@ def compare(histories: Histories, reference_ids: Sequence[str], candidate_ids: S
     summaries = with_truncation_hints(with_overflow_hints(
         summarize(divergences, histories, refs, cands, keys, config), histories, params), histories, params)
     causes = likely_causes(histories, params, refs, cands, summaries=summaries, alerts=alerts)
-    bands = {key: b for key, by in divergences.items() if (b := tested_bands(histories, key, refs, by, config))}
+    bands = {key: b for key, by in divergences.items()
+             if options.bands and (b := tested_bands(histories, key, refs, by, config))}
     return Comparison(refs, cands, keys, config, divergences,
                       tuple(Verdict(s, c) for s, c in zip(summaries, causes)),
                       reference_note(len(refs), config) if refs else "", options_text(config), bands)

@@ -139,7 +139,8 @@ def report_content(histories: Histories, store: Store, reference_ids: Sequence[s
     configs = {r.info.run_id: RunConfig(dict(r.data.params), tags[r.info.run_id]) for r in runs}
     params = {r: c.params for r, c in configs.items()}
     alerts = load_alert_events(store, ids, tags=tags)
-    found = compare(histories, refs, cands, CompareOptions(keys, divergence_config), params=params, alerts=alerts)
+    found = compare(histories, refs, cands, CompareOptions(keys, divergence_config, bands=True), params=params,
+                    alerts=alerts)  # bands: the charts draw the band each departure was tested against
     divergences = found.divergences
     divergence = divergence_frame(divergences)
 

@@ -142,7 +142,8 @@ def test_the_comparison_carries_the_band_each_diverged_candidate_was_tested_agai
 
     _, ids, h, params = runs
     refs, cands = [ids["ref0"], ids["ref1"]], [ids["seed"], ids["shifted"], ids["nan"]]
-    c = compare(h, refs, cands, CompareOptions(SHOWN), params=params)
+    assert compare(h, refs, cands, CompareOptions(SHOWN), params=params).bands == {}  # kept only where asked
+    c = compare(h, refs, cands, CompareOptions(SHOWN, bands=True), params=params)
     assert {k: set(b) for k, b in c.bands.items()} == {K.RATIO_MEAN: {ids["shifted"]}}  # nan's grad/norm: non-finite
     band, lead = c.bands[K.RATIO_MEAN][ids["shifted"]], c.divergences[K.RATIO_MEAN][ids["shifted"]].lead
     out = (band.candidate < band.lower) | (band.candidate > band.upper)
@@ -151,6 +152,6 @@ def test_the_comparison_carries_the_band_each_diverged_candidate_was_tested_agai
     # a chart given only the divergences (the Compare page's figure) computes the same band
     again = tested_bands(h, K.RATIO_MEAN, refs, c.divergences[K.RATIO_MEAN], c.detector)
     assert set(again) == {ids["shifted"]} and np.array_equal(again[ids["shifted"]].upper, band.upper)
-    wide = compare(h, refs, [ids["shifted"]], CompareOptions(SHOWN, DivergenceConfig(min_delta=0.02)), params=params)
+    wide = compare(h, refs, [ids["shifted"]], CompareOptions(SHOWN, DivergenceConfig(min_delta=0.02), bands=True), params=params)
     wider = wide.bands[K.RATIO_MEAN][ids["shifted"]]  # the options it ran with: the floor widens the band drawn
     assert np.nanmedian(wider.upper - wider.lower) > np.nanmedian(band.upper - band.lower) + 0.03
