@@ -1,14 +1,17 @@
 """The detector's bars from a target false-alarm probability (issue 43).
 
 `DivergenceConfig.alpha` is the chance that a no-change candidate of the references' length gets a false
-departure on one test of one metric. A statistic tested at every position of a run of L points, whose
-values are alike over about `span` positions (a trailing window of m points under AR(1) noise: m plus
-the noise's correlation length (1 + phi) / (1 - phi)), is L / span independent looks; the largest of
-them grows like sqrt(2 log(L / span)). So a bar fixed in sd (k = 5) is a false-alarm rate that grows with
-the run: at 100k steps it flagged 23 of 32 held-out no-change candidates (bench.divergence_length).
+departure on one test of one metric. A statistic tested at every position of a run of L points is the
+larger the longer the run: a bar fixed in sd (k = 5) is a false-alarm rate that grows with the run (at
+100k steps it flagged 23 of 32 held-out no-change candidates of bench.divergence_length).
 
 Each bar is the larger of
-- the model's: the two-sided normal quantile at alpha / (2 n_eff), n_eff = L / span (`z_alpha`);
+- the model's (`z_alpha`): the level u that normal noise crosses with probability alpha over the run. A
+  trailing window's statistic stays alike over `span` positions (1 / (1 - its lag-1 correlation): m for
+  independent points, about m (1 + phi) / (1 - phi) under AR(1) noise), and since its correlation falls
+  linearly it crosses u about u^2 times as often as L / span independent values would (Pickands):
+  2 (L / span) u^2 (1 - Phi(u)) = alpha. With L / span alone it was crossed by 65% of simulated runs
+  at a target of 20%;
 - what the references reach, extrapolated to alpha: the largest |z| their own residuals (and, with 2
   or more, each left out against the others) reach over everything scored, times z_alpha over the
   largest |z| normal noise would reach there (`extrapolate`). Under normal noise the two agree; where
