@@ -3,7 +3,7 @@
 `MlflowServer(root, backend_store_uri=..., serve_artifacts=True)` puts it over another store (the
 PostgreSQL tests) and proxies artifacts (`--serve-artifacts --artifacts-destination root/artifacts`).
 
-Shared by the benchmarks and the tests (`tests/conftest.py` imports it); it does not import pytest.
+Shared by the benchmarks and the tests (`tests/helpers/net.py` imports it); it does not import pytest.
 """
 
 from __future__ import annotations

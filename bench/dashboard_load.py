@@ -48,7 +48,7 @@ import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
 from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
 from bench._server import start_dashboard, stop_group
 from rldiag.collectors import keys
-from tests.browser import chromium, drawn_panels_js
+from tests.helpers.browser import chromium, drawn_panels_js
 
 NAME = "dashboard_load"
 GOAL_COLD_S = 5.0

@@ -15,7 +15,7 @@ copy of the same file and the first N runs are read three ways: rldiag over REST
 `get-history`), rldiag given the server's backend file (`--backend-store-uri`: histories read from
 the file, everything else through the server), and `MlflowClient.get_metric_history` over REST.
 With `--postgres-runs N`, the same for a server over a real PostgreSQL (Debian's, started on
-127.0.0.1 by `tests/postgres.py`) holding a copy of the first N runs: rldiag over REST, rldiag
+127.0.0.1 by `tests/helpers/postgres.py`) holding a copy of the first N runs: rldiag over REST, rldiag
 reading the database directly (`--backend-store-uri postgresql://...`), and the client.
 
 The store is made once by MLflow (schema, experiment, runs, tags) and filled by direct SQL inserts
@@ -275,7 +275,7 @@ def time_postgres(path: Path, ids: list[str], metric_keys) -> dict:
     import shutil
 
     from bench._server import MlflowServer
-    from tests.postgres import PostgresServer
+    from tests.helpers.postgres import PostgresServer
 
     root = Path(tempfile.mkdtemp(prefix="rldiag-bench-pg-"))
     try:

@@ -1,5 +1,5 @@
 """The README's figures: each experiment's runs overlaid, drawn by the dashboard's own figure code and
-saved as PNG by Debian's Chromium (launched as the browser tests launch it, `tests.browser.chromium`).
+saved as PNG by Debian's Chromium (launched as the browser tests launch it, `tests.helpers.browser.chromium`).
 
     rldiag experiment masked-vs-unmasked && rldiag experiment engine-parity   # into ./mlruns.db
     python -m bench.readme_figures                                # -> experiments/figures/*.png
@@ -53,7 +53,7 @@ def page(uri: str, group: str, metrics: list[str], caption: str) -> str:
 
 
 def save_png(html: str, path: Path) -> None:
-    from tests.browser import chromium
+    from tests.helpers.browser import chromium
 
     with tempfile.TemporaryDirectory() as d, chromium() as browser:
         f = Path(d) / "page.html"

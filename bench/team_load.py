@@ -4,7 +4,7 @@
     python -m bench.team_load --rate 50 --seconds 120          # the issue's size (40k points/s offered)
     python -m bench.team_load --quick                          # 4 writers, 15 s
 
-A real PostgreSQL (tests/postgres.py) behind a real `mlflow server --workers 2`; `--writers` child
+A real PostgreSQL (tests/helpers/postgres.py) behind a real `mlflow server --workers 2`; `--writers` child
 processes, each a `MetricWriter` over REST logging `--metrics` keys a step at `--rate` steps/s, paced
 by the clock, for `--seconds`. Halfway through, the server's process group is SIGKILLed and started
 again `--down-s` later (its start-up adds to the outage). Each child then closes (waits up to
@@ -132,7 +132,7 @@ def run_load(*, writers: int, metrics: int, rate: float, seconds: float, down_s:
              workers: int = 2) -> dict:
     """Run the load once; returns every child's figures and the totals (see the module docstring)."""
     from bench._server import MlflowServer
-    from tests.postgres import PostgresServer
+    from tests.helpers.postgres import PostgresServer
 
     root = Path(tempfile.mkdtemp(prefix="rldiag-team-load-"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true"}

@@ -1,5 +1,5 @@
 """Shared fixtures: a SQLite tracking store in a temp dir, and a real `mlflow server` on 127.0.0.1
-(`bench._server.MlflowServer`, which the benchmarks use too)."""
+(`tests.helpers.net.MlflowServer`, which the benchmarks use too)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench._server import MlflowServer, free_port  # noqa: F401 - re-exported for the tests
+from tests.helpers.net import MlflowServer
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # The read side's disk cache (rldiag.app.data.disk_cache): one per test session, never the user's own.

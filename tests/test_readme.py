@@ -299,7 +299,7 @@ def test_readme_stays_a_front_door():
 
 def test_bench_table_lands_in_bench_readme(tmp_path):
     """`python -m bench.run_all` splices its table between bench/README.md's markers."""
-    from bench.run_all import splice_readme
+    from tests.helpers.bench_code import splice_readme
 
     copy = tmp_path / "README.md"
     copy.write_text(TEXT["bench/README.md"])

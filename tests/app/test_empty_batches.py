@@ -17,8 +17,8 @@ import torch
 from rldiag.app.report.build import build_report, departure_lines
 from rldiag.collectors import keys
 from rldiag.collectors.metrics import policy_metrics
-from tests.app.conftest import run_logging_script, write_run
-from tests.app.dashboard.helpers import app, unescape_md
+from tests.helpers.dashboard import app, unescape_md
+from tests.helpers.runs import run_logging_script, write_run
 
 STEPS, EMPTY = 60, (23, 41)
 SHOWN = (keys.RATIO_MEAN, keys.KL_NEW_OLD, keys.CLIP_RATE)
@@ -100,7 +100,7 @@ TRL_SCRIPT = """
 import json, sys
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
-from tests.tiny_hf import save_tiny_qwen2
+from tests.helpers.tiny_hf import save_tiny_qwen2
 tok = save_tiny_qwen2("tiny")
 prompts = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(24)]})
 def reward_len(completions, **kw):

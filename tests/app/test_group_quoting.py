@@ -15,7 +15,7 @@ from rldiag.app.watch.loop import Watcher
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import JsonlSink
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 
 @pytest.mark.parametrize("group", ["bob's v0 vs v1", 'say "v1" \'now\''])

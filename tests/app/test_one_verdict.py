@@ -21,7 +21,7 @@ from rldiag.app.analysis.verdicts import STATUS_WORDS, departure_when, verdict_r
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 N = 240
 NAN_AT = (100, 101, 102)
@@ -78,7 +78,7 @@ def _md_rows(markdown: str) -> dict[str, tuple[str, str]]:
 def test_report_page_and_watcher_give_each_candidate_the_same_verdict_line(store, monkeypatch):
     from rldiag.app.report.build import build_report
     from rldiag.app.watch.loop import watch_once
-    from tests.app.dashboard.helpers import app
+    from tests.helpers.dashboard import app
 
     uri, ids = store
     names = {v: k for k, v in ids.items()}

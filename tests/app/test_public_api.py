@@ -12,7 +12,7 @@ import pytest
 
 import rldiag.app
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import math
 import shutil
@@ -22,44 +21,17 @@ from pathlib import Path
 
 import pytest
 import streamlit as st
-from streamlit.testing.v1 import AppTest
 
 from rldiag.app.cli.main import main
 from rldiag.app.data.readonly_sql import schema_revisions
 from rldiag.app.data.store import open_store
 from rldiag.app.errors import StoreUnreachable
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
-from tests.app.dashboard.helpers import unescape_md
+from tests.helpers.dashboard import unescape_md
+from tests.helpers.read_only import dashboard, downgrade, fingerprint, revision
+from tests.helpers.runs import write_run
 
 MIGRATIONS_BACK = 10  # as far back as Alembic downgrades MLflow 3.17's SQLite schema (20 fails on a generated column)
-
-
-def revision(db: Path) -> str:
-    with sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True) as con:
-        return con.execute("SELECT version_num FROM alembic_version").fetchone()[0]
-
-
-def fingerprint(db: Path) -> tuple[str, str, list[str]]:
-    """(schema revision, sha256 of the file, the files beside it): what a write of any kind changes."""
-    return revision(db), hashlib.sha256(db.read_bytes()).hexdigest(), sorted(p.name for p in db.parent.iterdir())
-
-
-def downgrade(db: Path, steps: int) -> str:
-    """Alembic-downgrade the MLflow store `db` by `steps` revisions (in place); returns the revision."""
-    import sqlalchemy
-    from alembic import command
-    from mlflow.store.db.utils import _get_alembic_config
-
-    target = schema_revisions()[1][steps]
-    url = f"sqlite:///{db}"
-    cfg = _get_alembic_config(url)
-    engine = sqlalchemy.create_engine(url)
-    with engine.begin() as con:
-        cfg.attributes["connection"] = con
-        command.downgrade(cfg, target)
-    engine.dispose()
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -94,23 +66,6 @@ def store(request, written, tmp_path) -> Path:
     if request.param == "older":
         assert downgrade(db, MIGRATIONS_BACK) != schema_revisions()[0]
     return db
-
-
-def _dashboard(start: str | None) -> None:
-    from rldiag.app.dashboard.shell import main as dashboard_main
-
-    dashboard_main(start)
-
-
-def dashboard(uri: str, monkeypatch, page: str | None = None, *, allow: str = "0",
-              address: str | None = None) -> AppTest:
-    monkeypatch.setenv("RLDIAG_TRACKING_URI", uri)
-    monkeypatch.setenv("RLDIAG_ALLOW_URI_INPUT", allow)
-    monkeypatch.delenv("RLDIAG_EXPERIMENT", raising=False)
-    st.cache_data.clear()
-    st.cache_resource.clear()
-    st.config.set_option("server.address", address)  # what `streamlit run --server.address` sets
-    return AppTest.from_function(_dashboard, kwargs={"start": page}, default_timeout=90).run()
 
 
 @pytest.fixture(autouse=True)

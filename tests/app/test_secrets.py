@@ -23,8 +23,8 @@ from rldiag.app.data.runs import get_runs
 from rldiag.app.data.store import open_store
 from rldiag.app.errors import RunNotFound, StoreUnreachable
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
-from tests.app.test_read_only import dashboard, downgrade, fingerprint
+from tests.helpers.read_only import dashboard, downgrade, fingerprint
+from tests.helpers.runs import write_run
 
 SECRET = "hunter2-Secret"
 TOKEN = "tok-98765"

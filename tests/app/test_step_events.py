@@ -15,9 +15,8 @@ from rldiag.app.report.build import build_report, departure_lines
 from rldiag.app.watch.loop import watch_once
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import Monitor, keys
-from tests.app.dashboard.helpers import app, unescape_md
-from tests.collectors.test_amp import fp16_loop, mlp
-from tests.collectors.test_loss_event import nan_term_loss
+from tests.helpers.dashboard import app, unescape_md
+from tests.helpers.training import fp16_loop, mlp, nan_term_loss
 
 STEPS = 12
 # loss = c * y.sum() (batch 1): the gradient reaching y, the last Linear's fp16 output, is c * scale. At
@@ -105,7 +104,7 @@ def test_the_watcher_alerts_the_nan_loss_and_tells_overflows_once_never_as_nan(s
 def _trainer_run(store_uri: str, tmp_path, monkeypatch, name: str, role: str, *, fp16: bool, nan_at: int | None = None
                  ) -> str:
     """A stock transformers Trainer with `report_to="mlflow"` (its own MLflowCallback, no rldiag), fp16 as on a
-    GPU (`tests.collectors.test_amp.cpu_fp16_trainer_class`: the first step overflows for real, the next
+    GPU (`tests.helpers.training.cpu_fp16_trainer_class`: the first step overflows for real, the next
     fit), or fp32. `nan_at`: a weight set to NaN at that step (a real NaN: the loss is NaN from then on)."""
     import json
 
@@ -113,8 +112,8 @@ def _trainer_run(store_uri: str, tmp_path, monkeypatch, name: str, role: str, *,
     from accelerate.state import AcceleratorState
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback
 
-    from tests.collectors.test_amp import cpu_fp16_trainer_class
-    from tests.integrations.test_transformers import llama_config, lm_dataset, training_args
+    from tests.helpers.tiny_hf import llama_config, lm_dataset, training_args
+    from tests.helpers.training import cpu_fp16_trainer_class
 
     class PoisonWeight(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kw):

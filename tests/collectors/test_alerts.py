@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rldiag.collectors import AlertDispatcher, JsonlSink, LoggingSink, NonFiniteGradAlert, WebhookSink
-from tests.conftest import free_port
+from tests.helpers.net import free_port
 
 NAN = float("nan")
 

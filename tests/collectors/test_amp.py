@@ -18,54 +18,16 @@ import torch
 from torch import nn
 
 from rldiag.collectors import Monitor, check_gradients, keys
+from tests.helpers.training import cpu_fp16_trainer_class, fp16_loop, mlp, x_batch
 
 
 def history(client: mlflow.MlflowClient, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def x_batch(step: int, b: int = 1) -> torch.Tensor:
-    return torch.randn(b, 4, generator=torch.Generator().manual_seed(step))
-
-
 def nan_grad_through(x: torch.Tensor) -> torch.Tensor:
     """0 in the forward pass, NaN in the backward pass for `x` (0 * d sqrt(u)/du at u = 0)."""
     return 0.0 * ((x - x.detach()) ** 2).sum().sqrt()
-
-
-def fp16_loop(mon: Monitor, model: nn.Module, steps: int, *, scaler: torch.amp.GradScaler, loss_fn,
-              unscale_first: bool = False) -> list[dict]:
-    """The usual fp16 loop: autocast forward, scaled backward, rldiag's check, unscale, clip, scaler step.
-    Returns per step what the user sees: Monitor's answer and report, the scale, whether weights moved."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for step in range(steps):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            y = model(x_batch(step))
-        loss = loss_fn(y.float(), step)
-        scaler.scale(loss).backward()
-        scale = scaler.get_scale()
-        if unscale_first:
-            scaler.unscale_(opt)
-        go = mon.step(step, model, loss=loss, scaler=scaler)
-        if not unscale_first:
-            scaler.unscale_(opt)  # rldiag did not unscale: this must not raise "already been called"
-        finite_grads = [p.grad for p in model.parameters() if p.grad is not None]
-        true_norm = torch.nn.utils.get_total_norm(finite_grads).item()  # after unscale_: the true norm
-        before = [p.detach().clone() for p in model.parameters()]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-        if go:
-            scaler.step(opt)
-        scaler.update()
-        moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
-        out.append({"go": go, "report": mon.last_report, "scale": scale, "true_norm": true_norm, "moved": moved})
-    return out
 
 
 @pytest.mark.parametrize("unscale_first", [False, True])
@@ -193,27 +155,6 @@ def test_bf16_autocast_loop_logs_true_norms_and_catches_a_nan(sqlite_uri):
     assert keys.GRAD_LOSS_SCALE not in client.get_run(mon.run_id).data.metrics  # no scaler: no scale logged
 
 
-def cpu_fp16_trainer_class(init_scale: float = 2.0**40, backoff: float = 2.0**-30):
-    """`Trainer(fp16=True)` as accelerate sets it up on a GPU, here on the CPU. accelerate refuses fp16 on the
-    CPU in `Accelerator()` by a device check only (torch 2.13's CPU autocast and GradScaler do fp16), so
-    after that check this sets what the GPU path sets: native AMP, mixed precision fp16 and the GradScaler,
-    before `train()` prepares the model (fp16 autocast forward) and the optimizer (scaler.step + update).
-    The scaler starts at 2**40 and backs off by 2**-30: the first step overflows for real, the next fits.
-    `args.fp16` is set True too, after the Accelerator is made (it would refuse fp16 on the CPU), so that the
-    run's params say fp16 as a GPU run's do."""
-    from transformers import Trainer
-
-    class CpuFp16Trainer(Trainer):
-        def create_accelerator_and_postprocess(self):
-            super().create_accelerator_and_postprocess()
-            self.accelerator.state._mixed_precision = "fp16"
-            self.accelerator.native_amp = True
-            self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, backoff_factor=backoff)
-            self.args.fp16 = True
-
-    return CpuFp16Trainer
-
-
 # --- fp16 through transformers' Trainer ---------------------------------------------------------------------
 
 
@@ -223,7 +164,7 @@ def test_a_trainer_under_skip_trains_through_a_scaler_overflow_without_a_crash_o
     from transformers import LlamaForCausalLM, TrainerCallback
 
     from rldiag.collectors.integrations.transformers import RldiagCallback
-    from tests.integrations.test_transformers import llama_config, lm_dataset, training_args
+    from tests.helpers.tiny_hf import llama_config, lm_dataset, training_args
 
     class Weights(TrainerCallback):
         def __init__(self):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
-from tests.gloo_job import assert_nan_run_logged, teardown
+from tests.helpers.gloo_job import assert_nan_run_logged, teardown
+from tests.helpers.net import free_port
 
 STEPS = 5
 BACKWARD_NAN = 1  # rank 1's backward gives 1.bias a NaN gradient; DeepSpeed's reduce carries it on
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, stage: int
 
     from rldiag.collectors import Monitor
     from rldiag.collectors.compat.deepspeed import zero_local_grad
-    from tests.gloo_job import nan_bias_hook
+    from tests.helpers.gloo_job import nan_bias_hook
 
     os.environ.update({"MLFLOW_DISABLE_TELEMETRY": "true", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})

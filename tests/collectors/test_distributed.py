@@ -11,8 +11,8 @@ import pytest
 import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
-from tests.conftest import free_port
-from tests.gloo_job import teardown
+from tests.helpers.gloo_job import teardown
+from tests.helpers.net import free_port
 
 NAN_STEP = 2
 
@@ -22,7 +22,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rldiag.collectors import Monitor
-    from tests.gloo_job import gloo_step
+    from tests.helpers.gloo_job import gloo_step
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

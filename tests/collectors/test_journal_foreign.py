@@ -19,7 +19,7 @@ from rldiag.collectors.journal import Journal, journal_path
 from rldiag.collectors.journal_read import lock_path, segment_files, split_name
 from rldiag.collectors.mlflow_store import make_sender, open_run
 from rldiag.collectors.writer import MetricWriter
-from tests.conftest import free_port
+from tests.helpers.net import free_port
 
 
 def sha(p: Path) -> str:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.team_load import run_load
-from tests.postgres import PostgresMissing
+from tests.helpers.bench_code import run_load
+from tests.helpers.postgres import PostgresMissing
 
 
 @pytest.mark.slow

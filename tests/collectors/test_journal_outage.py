@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from argparse import Namespace
 
-from bench.journal_scale import ENVELOPE, SEGMENT, child_outage
+from tests.helpers.bench_code import ENVELOPE, SEGMENT, child_outage
 
 
 def test_outage_run_delivers_every_point_once_and_the_journal_follows_the_backlog(tmp_path):

@@ -22,7 +22,7 @@ from rldiag.collectors.journal import journal_path
 from rldiag.collectors.journal_read import lock_path, segment_files
 from rldiag.collectors.mlflow_store import make_sender, open_run
 from rldiag.collectors.writer import JournalState, MetricWriter
-from tests.conftest import free_port
+from tests.helpers.net import free_port
 from tests.helpers.writer import RamWatch
 
 KEYS = 10

@@ -13,19 +13,7 @@ import torch
 from torch import nn
 
 from rldiag.collectors import Monitor, keys
-
-
-def nan_term_loss(model: nn.Module, step: int, nan_steps: set[int]) -> torch.Tensor:
-    """MSE, plus at `nan_steps` a KL-like term computed under no_grad that is NaN (log of a negative
-    number): the loss is NaN, its backward only sees the MSE, so every gradient stays finite."""
-    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
-    y = model(x)
-    loss = y.pow(2).mean()
-    if step in nan_steps:
-        with torch.no_grad():
-            kl = torch.log(y.min() - 10.0)  # log(< 0) = NaN, detached from the graph
-        loss = loss + 0.1 * kl
-    return loss
+from tests.helpers.training import nan_term_loss
 
 
 def test_a_nan_loss_with_finite_gradients_is_its_own_event_and_the_optimizer_steps(sqlite_uri, tmp_path, caplog):

@@ -106,7 +106,7 @@ def _ddp_worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> Non
 
     import torch.distributed as dist
 
-    from tests.gloo_job import teardown
+    from tests.helpers.gloo_job import teardown
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -127,7 +127,7 @@ def test_under_ddp_one_rank_s_overflowing_norm_is_finite_on_every_rank(sqlite_ur
 
     import torch.multiprocessing as mp
 
-    from tests.conftest import free_port
+    from tests.helpers.net import free_port
 
     mp.start_processes(_ddp_worker, args=(2, free_port(), sqlite_uri, str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
@@ -150,7 +150,7 @@ def _trainer_ddp_worker(rank: int, world: int, port: int, uri: str, out: str) ->
     from transformers import Trainer, TrainingArguments
 
     from rldiag.collectors.integrations.transformers import RldiagCallback
-    from tests.gloo_job import teardown
+    from tests.helpers.gloo_job import teardown
 
     args = TrainingArguments(output_dir=os.path.join(out, f"rank{rank}"), report_to="none", save_strategy="no",
                              use_cpu=True, disable_tqdm=True, logging_steps=1, max_steps=1, ddp_backend="gloo",
@@ -170,7 +170,7 @@ def test_trainer_callback_under_ddp_logs_no_inf_norm_for_finite_gradients(sqlite
     pytest.importorskip("transformers")
     import torch.multiprocessing as mp
 
-    from tests.conftest import free_port
+    from tests.helpers.net import free_port
 
     mlflow.MlflowClient(sqlite_uri).search_experiments()  # migrate before two processes race to
     mp.start_processes(_trainer_ddp_worker, args=(2, free_port(), sqlite_uri, str(tmp_path)), nprocs=2, join=True,

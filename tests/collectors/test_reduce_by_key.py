@@ -12,8 +12,8 @@ import pytest
 import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
-from tests.conftest import free_port
-from tests.gloo_job import teardown
+from tests.helpers.gloo_job import teardown
+from tests.helpers.net import free_port
 
 
 def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:

@@ -16,8 +16,8 @@ import pytest
 import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
-from tests.conftest import free_port
-from tests.gloo_job import SHARD_KINDS, assert_nan_run_logged
+from tests.helpers.gloo_job import SHARD_KINDS, assert_nan_run_logged
+from tests.helpers.net import free_port
 
 STEPS = 5
 BACKWARD_NAN = 1  # rank 1's backward gives 1.bias a NaN gradient; FSDP's reduce-scatter carries it on
@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str, kind: str)
     from torch import nn
 
     from rldiag.collectors import Monitor
-    from tests.gloo_job import full_params, nan_bias_hook, shard_model, teardown
+    from tests.helpers.gloo_job import full_params, nan_bias_hook, shard_model, teardown
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -199,8 +199,8 @@ def _callback_worker(rank: int, world: int, port: int, uri: str, out_dir: str) -
     from transformers import LlamaForCausalLM, TrainerControl, TrainerState
 
     from rldiag.collectors.integrations.transformers import RldiagCallback
-    from tests.gloo_job import full_params, nan_weight_hook, teardown
-    from tests.integrations.test_transformers import V, llama_config, training_args
+    from tests.helpers.gloo_job import full_params, nan_weight_hook, teardown
+    from tests.helpers.tiny_hf import V, llama_config, training_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)

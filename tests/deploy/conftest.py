@@ -1,4 +1,4 @@
-"""Fixtures for the team-scale tests: a real PostgreSQL server on 127.0.0.1 (`tests.postgres`).
+"""Fixtures for the team-scale tests: a real PostgreSQL server on 127.0.0.1 (`tests.helpers.postgres`).
 
 Without PostgreSQL's binaries the tests FAIL (never skip) with the fix: `sudo make sysdeps`.
 """
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.postgres import PostgresMissing, PostgresServer
+from tests.helpers.postgres import PostgresMissing, PostgresServer
 
 
 @pytest.fixture(scope="module")

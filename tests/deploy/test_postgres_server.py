@@ -2,7 +2,7 @@
 read side loads it; what the read side ends with is exactly what the job logged and the database holds.
 
 The stack is the one `docker-compose.yml` runs, without Docker: PostgreSQL on 127.0.0.1
-(`tests.postgres`), `mlflow server --backend-store-uri postgresql://... --serve-artifacts` (artifacts
+(`tests.helpers.postgres`), `mlflow server --backend-store-uri postgresql://... --serve-artifacts` (artifacts
 uploaded through the server into a local folder), two real processes on gloo with a NaN gradient on
 rank 1 at one step (as in `tests/collectors/test_distributed.py`).
 """
@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from bench._server import MlflowServer
 from rldiag.app.data.histories import load_histories, nonfinite_table
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
-from tests.conftest import free_port
+from tests.helpers.net import MlflowServer, free_port
 
 pytestmark = [pytest.mark.postgres, pytest.mark.server]
 
@@ -42,7 +41,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rldiag.collectors import Monitor
-    from tests.gloo_job import gloo_step, teardown
+    from tests.helpers.gloo_job import gloo_step, teardown
 
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     torch.set_num_threads(1)

@@ -8,34 +8,11 @@ engines start in 20-60 s each here, so the six engine configurations start once 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-PARITY_STEPS = 20  # step 0: same weights on both sides; steps 1-19: after weight updates
-PARITY_SEEDS = 3  # reference seeds (the noise band); every candidate runs seed 0
-
-
-@dataclass
-class StoredRun:
-    run_id: str
-    tags: dict[str, str]
-    params: dict[str, str]
-    metrics: dict[str, list[float]]  # key -> value per step 0..PARITY_STEPS-1, from the full history
-
-    def at(self, key: str, step: int) -> float:
-        return self.metrics[key][step]
-
-
-@dataclass
-class ParityStore:
-    uri: str
-    wall_s: float  # the experiment's wall time (engine starts included)
-    runs: dict[tuple[str, int], StoredRun]  # (variant, seed) -> what the store holds
-
-    def run_id(self, variant: str, seed: int = 0) -> str:
-        return self.runs[(variant, seed)].run_id
+from tests.helpers.parity import PARITY_SEEDS, PARITY_STEPS, ParityStore, StoredRun
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from rldiag.experiments.engine_parity import (  # noqa: E402
     REFERENCE,
     VARIANTS,
 )
-from tests.experiments.conftest import PARITY_SEEDS, PARITY_STEPS, ParityStore  # noqa: E402
+from tests.helpers.parity import PARITY_SEEDS, PARITY_STEPS, ParityStore  # noqa: E402
 
 # The session fixture starts 6 engines (~20 s each on an idle machine, minutes on a loaded one).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -17,7 +17,7 @@ from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys as K
 from rldiag.experiments.engine_parity import REFERENCE
-from tests.experiments.conftest import PARITY_SEEDS, ParityStore
+from tests.helpers.parity import PARITY_SEEDS, ParityStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -47,7 +47,7 @@ def _md_rows(markdown: str) -> dict[str, tuple[str, ...]]:
 def test_the_experiments_runs_get_one_verdict_in_the_report_the_page_and_the_watcher(store, monkeypatch):
     from rldiag.app.report.build import build_report
     from rldiag.app.watch.loop import watch_once
-    from tests.app.dashboard.helpers import app
+    from tests.helpers.dashboard import app
 
     report = build_report(store, group=GROUP)
     labels = report.labels

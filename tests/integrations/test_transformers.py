@@ -19,11 +19,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import (  # noqa: E402
-    LlamaConfig,
     LlamaForCausalLM,
     Trainer,
     TrainerCallback,
-    TrainingArguments,
 )
 
 from rldiag.collectors import NonFiniteGradientError, keys  # noqa: E402
@@ -34,8 +32,7 @@ from rldiag.collectors.integrations.transformers import (  # noqa: E402
     _skip_next_step,
 )
 from rldiag.collectors.session import RunSession  # noqa: E402
-
-V, T = 64, 12  # vocabulary, sequence length
+from tests.helpers.tiny_hf import T, V, llama_config, lm_dataset, save_tiny_qwen2, training_args  # noqa: E402
 
 
 # ---- fixtures and builders -------------------------------------------------------------------------
@@ -51,20 +48,6 @@ def template_db(tmp_path_factory) -> Path:
 def uri(sqlite_uri: str, template_db: Path) -> str:
     shutil.copyfile(template_db, sqlite_uri.removeprefix("sqlite:///"))
     return sqlite_uri
-
-
-def llama_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       pad_token_id=0, bos_token_id=1, eos_token_id=1)
-
-
-def training_args(tmp_path: Path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path / "out"), report_to="none", save_strategy="no", use_cpu=True,
-                disable_tqdm=True, logging_steps=1, learning_rate=1e-3, max_grad_norm=1.0, seed=0,
-                train_sampling_strategy="sequential", remove_unused_columns=False)
-    base.update(kw)
-    return TrainingArguments(**base)
 
 
 def the_run(uri: str):
@@ -108,12 +91,6 @@ def test_accumulated_check_judges_the_accumulated_gradient_before_clipping():
 
 
 # ---- a plain Trainer run -----------------------------------------------------------------------------
-def lm_dataset(n: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, V, (n, T), generator=g)
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
-
-
 def test_trainer_metrics_and_params_land_in_mlflow(uri, tmp_path):
     torch.manual_seed(0)
     args = training_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
@@ -410,7 +387,6 @@ def test_grpo_metrics_under_trl_names_and_canonical_keys(uri, tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from tests.tiny_hf import save_tiny_qwen2
 
     model_dir = tmp_path / "tiny-qwen2"  # beta > 0 loads the reference model from a path
     tok = save_tiny_qwen2(model_dir, vocab=V)
@@ -537,7 +513,6 @@ def test_stock_trl_script_with_report_to_mlflow_makes_one_run(uri, tmp_path, mon
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from tests.tiny_hf import save_tiny_qwen2
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     # MLflowCallback takes mlflow's process-wide active experiment otherwise: an earlier test's id

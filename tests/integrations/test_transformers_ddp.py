@@ -19,7 +19,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 
 from rldiag.collectors import keys  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 NAN_STEP = 2  # optimizer step (global_step after it) whose backward is NaN on rank 1
 
@@ -31,11 +31,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str, attach: bool) 
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback
 
     from rldiag.collectors.integrations.transformers import RldiagCallback
-    from tests.integrations.test_transformers import (
-        llama_config,
-        lm_dataset,
-        training_args,
-    )
+    from tests.helpers.tiny_hf import llama_config, lm_dataset, training_args
 
     class NanOnRank1(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, **kw):
@@ -72,7 +68,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str, attach: bool) 
         "had_session": cb._owns_session and rank == 0,
         "trainer_grad_norm": {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h},
     }))
-    from tests.gloo_job import teardown
+    from tests.helpers.gloo_job import teardown
 
     teardown()  # both ranks done before either tears gloo down, then out without finalization
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from mlflow import MlflowClient
 
 from rldiag.collectors import keys
-from tests.conftest import free_port
+from tests.helpers.net import free_port
 
 NAN_STEP = 2  # optimizer step (global_step after it) whose backward is NaN on rank 1
 
@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str, stage: int) ->
     from transformers import LlamaForCausalLM, Trainer
 
     from rldiag.collectors.integrations.transformers import RldiagCallback
-    from tests.integrations.test_transformers import llama_config, lm_dataset, training_args
+    from tests.helpers.tiny_hf import llama_config, lm_dataset, training_args
 
     class NanOnRank1(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, **kw):
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, uri: str, out: str, stage: int) ->
     logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "engine": type(trainer.model_wrapped).__name__, "trainer_grad_norm": logged}))
-    from tests.gloo_job import teardown
+    from tests.helpers.gloo_job import teardown
 
     teardown()
 

@@ -11,7 +11,7 @@ from rldiag.app.analysis.config_diff import load_configs
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 NAN = float("nan")
 # An engine that matches a float32 trainer: processed logprobs, no prefix cache, float32.

@@ -12,7 +12,7 @@ from rldiag.app.analysis.config_diff import load_configs
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 ESS, LOW, MM = K.POLICY_ESS, K.MISMATCH_LOW_PROB_SHARE, K.MISMATCH_LOGPROB_MEAN
 

@@ -11,8 +11,8 @@ import pytest
 from rldiag.app.report.build import build_report
 from rldiag.app.watch.loop import watch_once
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
-from tests.app.dashboard.helpers import app, unescape_md
+from tests.helpers.dashboard import app, unescape_md
+from tests.helpers.runs import write_run
 
 STEPS = 30  # enough for any band test to call a 0.26-nat offset a departure
 V0 = {"engine.logprobs_mode": "processed_logprobs", "engine.dtype": "float32", "loop.temperature": "0.7",

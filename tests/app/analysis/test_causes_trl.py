@@ -27,7 +27,7 @@ def stock_grpo_run(uri: str, tmp_path, name: str, *, nan: bool) -> str:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from tests.tiny_hf import save_tiny_qwen2
+    from tests.helpers.tiny_hf import save_tiny_qwen2
 
     class NanLossTrainer(GRPOTrainer):
         # global_step counts finished updates: 2 while the third step (logged as step 3) computes its loss

@@ -17,7 +17,7 @@ from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.app.report.build import build_report, render_report
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 N = 120
 SHOWN = [K.RATIO_MEAN, K.LOSS, K.GRAD_NORM]

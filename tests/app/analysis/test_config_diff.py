@@ -16,7 +16,7 @@ from rldiag.app.analysis.config_diff import (
 from rldiag.app.data.store import open_store
 from rldiag.app.errors import RunNotFound
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 V0 = {
     "engine": {"name": "vllm", "version": "0.10.2", "logprobs_mode": "processed_logprobs",

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.divergence_length import scenario
 from rldiag.app.analysis.detector import ar_mean_var, partial_sd
 from rldiag.app.analysis.divergence import detect_divergence
 from rldiag.app.data.trace import Trace
+from tests.helpers.divergence import length_scenario as scenario
 
 
 def test_a_partly_filled_window_has_the_sd_of_the_points_it_holds():

@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bench.divergence_data import ONSET, T, refs, seed_run, trace
 from rldiag.app.analysis.divergence import (
     DivergenceConfig,
     compare_runs,
@@ -21,7 +20,8 @@ from rldiag.app.analysis.divergence import (
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
+from tests.helpers.divergence import ONSET, T, refs, seed_run, trace
+from tests.helpers.runs import write_run
 
 
 @pytest.mark.parametrize("n_seeds, heavy", [(1, False), (3, False), (4, True)])

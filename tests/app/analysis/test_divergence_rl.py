@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.divergence_data import trace
-from bench.divergence_rl import NO_CHANGE, every, make_set, scenario
 from rldiag.app.analysis.divergence import DivergenceConfig, departure_text, detect_divergence, sigma_cell, sigma_text
 from rldiag.app.analysis.verdicts import when_text
 from rldiag.app.data.trace import Trace
+from tests.helpers.divergence import NO_CHANGE, every, make_set, scenario, trace
 
 
 def _prefix(t: Trace, n: int) -> Trace:
@@ -160,8 +159,8 @@ def test_a_long_run_gets_bars_from_its_references_left_out_in_turn(monkeypatch):
     # 100k steps of bench.divergence_rl's noise (phi 0.75-0.85, seeds wandering apart): the noise model's
     # bars alone flagged these no-change candidates (2 and 3 references); each reference against the
     # centre of the others reaches further over such a run, and the bars rise to it
-    import bench.divergence_rl as rl
     from rldiag.app.analysis.detector import reference_model
+    from tests.helpers.divergence import divergence_rl as rl
 
     monkeypatch.setattr(rl, "T", 100_000)
     config = DivergenceConfig()
@@ -182,8 +181,8 @@ def test_with_two_or_more_references_the_change_bar_starts_lower_and_finds_a_3_s
     # bench.divergence_rl seeds 32 (4 references, AR(0.75)) and 8 (4, AR(0.6)): a 3-sd shift at step 300.
     # Their leave-one-out scores keep the change bars under 7.5: with the fixed 7.5 of one reference the
     # first is missed and the second found 46 steps later than with the 2+-reference floor.
-    import bench.divergence_rl as rl
     from rldiag.app.analysis.detector import reference_model
+    from tests.helpers.divergence import divergence_rl as rl
 
     # the floors themselves, with alpha = 0 (no calibrated raise above them)
     floors = DivergenceConfig(alpha=0.0)

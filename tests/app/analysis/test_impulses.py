@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.divergence_data import trace
 from rldiag.app.analysis.detector import clean_impulses
 from rldiag.app.analysis.divergence import DivergenceConfig, detect_divergence
+from tests.helpers.divergence import trace
 
 PHI = 0.75
 INNOV = np.sqrt(1 - PHI**2)  # innovation sd of AR(1) noise of sd 1

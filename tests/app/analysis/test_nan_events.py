@@ -10,7 +10,7 @@ from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
 from rldiag.experiments.example_loop import LoopConfig, run
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 
 def test_rldiag_run_names_step_parameters_and_token(store_uri):

@@ -9,7 +9,7 @@ import torch
 from rldiag.app.analysis.worst_tokens import WorstToken, worst_of_run, worst_token_lines, worst_tokens
 from rldiag.collectors import keys
 from rldiag.collectors.metrics import policy_metrics, to_host
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 # The hand-built batch of tests/collectors/test_metrics.py: the worst token is sample 2, position 1,
 # token id 17, |-2.10 - -0.31| = 1.79 (a masked position with |d| = 9 must be ignored).
@@ -62,7 +62,7 @@ def test_report_shows_each_runs_worst_token(store_uri: str, tmp_path):
 def test_compare_page_shows_the_worst_token_with_its_text_where_the_tokenizer_is_at_hand(store_uri: str, monkeypatch,
                                                                                          tmp_path):
     from rldiag.experiments.tiny_hf_model import tiny_word_tokenizer
-    from tests.app.dashboard.helpers import app, unescape_md
+    from tests.helpers.dashboard import app, unescape_md
 
     tiny_word_tokenizer(64).save_pretrained(tmp_path / "model")  # id 17 is 'w14' (ids 0-2 are special)
     _write(store_uri, "ref", "reference")  # no engine.model param: the id only

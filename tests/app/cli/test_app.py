@@ -13,8 +13,8 @@ import pytest
 
 from rldiag.app.cli.app import streamlit_command
 from rldiag.app.cli.main import main
-from tests.app.conftest import write_run
-from tests.conftest import free_port
+from tests.helpers.net import free_port
+from tests.helpers.runs import write_run
 
 
 def test_help_names_every_option(capsys):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from tests.conftest import free_port
+from tests.helpers.net import free_port
 
 RLDIAG = str(Path(sys.executable).parent / "rldiag")
 

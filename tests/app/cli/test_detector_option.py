@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 
 def _rldiag(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 
 def test_one_report_per_comparable_group(store_uri, tmp_path):
@@ -48,7 +48,7 @@ def test_one_report_per_comparable_group(store_uri, tmp_path):
 
 def _charts_drawn(path: Path) -> int:
     """How many of the page's charts plotly drew, opened from disk in Chromium."""
-    from tests.browser import chromium
+    from tests.helpers.browser import chromium
 
     with chromium() as browser:
         page = browser.new_page()

@@ -10,8 +10,8 @@ import pytest
 
 from rldiag.app.report.build import build_report, departure_lines
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
-from tests.app.dashboard.helpers import app, unescape_md
+from tests.helpers.dashboard import app, unescape_md
+from tests.helpers.runs import write_run
 
 N = 200
 KEYS = (keys.LOSS, keys.REWARD_MEAN, keys.GRAD_NORM)

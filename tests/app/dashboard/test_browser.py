@@ -4,50 +4,19 @@ charts drawn with the right traces and NaN markers, a run named like HTML shown 
 from __future__ import annotations
 
 import html
-import subprocess
-import time
-from pathlib import Path
 
 import pytest
 
-from bench._server import start_dashboard, stop_group
-from tests.app.dashboard.conftest import EVIL, NAN_STEPS
-from tests.browser import chromium, drawn_panels_js, screenshot
+from tests.helpers.browser import READY, chromium, drawn, screenshot, serve
+from tests.helpers.dash_store import EVIL, NAN_STEPS
+from tests.helpers.net import stop_group
 
-READY = ('[data-testid="stApp"][data-test-connection-state="CONNECTED"]'
-         '[data-test-script-state="notRunning"]')
-
-# Every panel drawn: its title and, per trace, the name plotly shows and the x it drew.
-DRAWN_JS = drawn_panels_js()
 # The chart grid's legend: its height and the top margin that holds it (no row may be cut off above).
 LEGEND_JS = """() => { const gd = document.querySelector('.rldiag-chart-grid');
     return [gd.querySelector('.legend').getBBox().height, gd._fullLayout.margin.t]; }"""
 # The width plotly laid out each drawn chart at.
 WIDTHS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullLayout)
     .map(p => p._fullLayout.width)"""
-
-
-def serve(uri: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
-    """`rldiag app` on a free port in its own process group; returns once /_stcore/health says ok."""
-    log = tmp_path / "rldiag.app.log"
-    try:
-        proc, url, _ = start_dashboard(uri, log)
-    except RuntimeError as e:
-        pytest.fail(str(e))
-    return proc, url, log
-
-
-def drawn(page, wanted: dict[str, set[str]], timeout_s: float = 240) -> dict[str, dict[str, list]]:
-    """Wait until each chart title in `wanted` is drawn holding (at least) those trace names."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        charts = {c["title"]: {t["name"]: t["x"] for t in c["traces"]} for c in page.evaluate(DRAWN_JS)}
-        if all(title in charts and names <= set(charts[title]) for title, names in wanted.items()):
-            return charts
-        if time.monotonic() > deadline:
-            pytest.fail(f"charts not drawn as expected after {timeout_s} s: have {{title: names}} = "
-                        f"{ {k: sorted(v) for k, v in charts.items()} }")
-        page.wait_for_timeout(250)
 
 
 @pytest.mark.browser

@@ -9,13 +9,12 @@ import html
 
 import pytest
 
-from bench._server import stop_group
 from rldiag.app.report.build import build_report
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
-from tests.app.dashboard.conftest import GROUP
-from tests.app.dashboard.test_browser import READY, drawn, serve
-from tests.browser import chromium, screenshot
+from tests.helpers.browser import READY, chromium, drawn, screenshot, serve
+from tests.helpers.dash_store import GROUP
+from tests.helpers.net import stop_group
+from tests.helpers.runs import write_run
 
 # Per drawn trace: name, line/marker colour, x and y (y as plotly drew it: NaN for a line break).
 TRACES_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p._fullData).flatMap(p => {

@@ -8,9 +8,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from bench._server import stop_group
-from tests.app.dashboard.test_browser import READY, serve
-from tests.browser import chromium
+from tests.helpers.browser import READY, chromium, serve
+from tests.helpers.net import stop_group
 
 PAGES = ("", "runs", "compare", "nan-events", "config-diff")
 LOCAL = {"127.0.0.1", "localhost", "::1"}

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from rldiag.app.analysis.causes_is import TITLE
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
-from tests.app.dashboard.helpers import app, figures, unescape_md
+from tests.helpers.dashboard import app, figures, unescape_md
+from tests.helpers.runs import write_run
 
 
 def point(s: int, collapse: bool) -> dict[str, float]:

@@ -10,8 +10,8 @@ from rldiag.app.analysis.divergence import detect_divergence
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
-from tests.app.dashboard.helpers import app, unescape_md
+from tests.helpers.dashboard import app, unescape_md
+from tests.helpers.runs import write_run
 
 KEYS = (keys.LOSS, keys.REWARD_MEAN)
 
@@ -82,7 +82,7 @@ def test_a_run_logged_with_no_step_is_compared_in_logging_order_and_the_page_say
     # all-clear banner (logging order is a step only if each point was logged once a step)
     from mlflow import MlflowClient
 
-    from tests.app.conftest import T0_MS, log_raw
+    from tests.helpers.runs import T0_MS, log_raw
 
     ref = _run(store_uri, "ref", "reference", 0, 200)
     client = MlflowClient(store_uri)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rldiag.app.data.disk_cache import DiskCache
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 REPO = Path(__file__).resolve().parents[3]
 KEYS = ["policy/ratio_mean", "loss"]

@@ -12,11 +12,11 @@ import pytest
 from rldiag.app.dashboard import chart_grid, data
 from rldiag.app.dashboard.selection import ALL_RUNS
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
-from tests.app.dashboard.conftest import EVIL, INF_STEP, NAN_STEPS, SHIFT_AT
-from tests.app.dashboard.helpers import app, by_name, chart_specs, figures, html_tables, unescape_md
-from tests.app.test_short_nan_runs import NAN_FROM, NEEDED, write_trl_runs
-from tests.conftest import free_port
+from tests.helpers.dash_store import EVIL, INF_STEP, NAN_STEPS, SHIFT_AT
+from tests.helpers.dashboard import app, by_name, chart_specs, figures, html_tables, unescape_md
+from tests.helpers.net import free_port
+from tests.helpers.runs import write_run
+from tests.helpers.trl_runs import NAN_FROM, NEEDED, write_trl_runs
 
 TAGGED = ["v0 ref", "v0 seed1", "v0 seed2", "v1 shifted", "unmasked", EVIL]
 

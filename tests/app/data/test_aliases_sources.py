@@ -14,7 +14,7 @@ from rldiag.app.data.aliases_sources import FOREIGN_METRICS, aliases, aliases_ma
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
-from tests.app.conftest import T0_MS, log_raw, write_run
+from tests.helpers.runs import T0_MS, log_raw, write_run
 
 FRAMEWORKS = ("TRL", "verl", "NeMo-RL", "slime", "prime-rl", "OpenRLHF", "SkyRL", "AReaL", "ROLL", "PipelineRL")
 

@@ -15,7 +15,7 @@ from rldiag.app.data.nonfinite import MAX_FLOAT
 from rldiag.app.data.store import open_store
 from rldiag.app.errors import RunNotFound, StoreUnreachable
 from rldiag.collectors import keys
-from tests.app.conftest import T0_MS, log_raw, run_logging_script, write_run
+from tests.helpers.runs import T0_MS, log_raw, run_logging_script, write_run
 
 INF, NAN = float("inf"), float("nan")
 
@@ -322,7 +322,7 @@ def test_trl_grpo_report_to_mlflow_shows_canonical_keys(store_uri, tmp_path):
         import json
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
-        from tests.tiny_hf import save_tiny_qwen2
+        from tests.helpers.tiny_hf import save_tiny_qwen2
         tok = save_tiny_qwen2("tiny")
         args = GRPOConfig(output_dir="out", per_device_train_batch_size=4, num_generations=4,
                           max_completion_length=4, max_steps=3, logging_steps=1, report_to="mlflow",

@@ -13,8 +13,8 @@ from rldiag.app.errors import (
     StoreUnreachable,
 )
 from rldiag.collectors import keys
-from tests.app.conftest import log_raw, write_run
-from tests.conftest import free_port
+from tests.helpers.net import free_port
+from tests.helpers.runs import log_raw, write_run
 
 
 def _tags(group: str, variant: str, role: str, seed: int) -> dict[str, str]:

@@ -13,7 +13,7 @@ import pytest
 
 from rldiag.app.importers import compat_tensorboard as ctb
 from rldiag.app.importers import compat_wandb as cwb
-from tests.app.importers.conftest import write_tensorboard, write_wandb
+from tests.helpers.importers import write_tensorboard, write_wandb
 
 
 def test_tensorboard_modules_rldiag_reads_through():

@@ -7,7 +7,7 @@ from rldiag.app.analysis.config_diff import IMPORT_PREFIX, config_diff, load_con
 from rldiag.app.cli.main import main
 from rldiag.app.data.store import open_store
 from rldiag.app.importers import common
-from tests.app.importers.conftest import imported_runs, write_tensorboard
+from tests.helpers.importers import imported_runs, write_tensorboard
 
 
 def test_import_bookkeeping_is_left_out_of_the_config_diff(store_uri, tmp_path):

@@ -6,7 +6,7 @@ import json
 
 from rldiag.app.cli.main import main
 from rldiag.collectors import keys
-from tests.app.importers.conftest import imported_runs, write_tensorboard
+from tests.helpers.importers import imported_runs, write_tensorboard
 
 
 def test_mapping_file_tags_each_run_by_its_name_over_the_flags(store_uri, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from rldiag.app.cli.main import main
-from tests.app.importers.conftest import write_tensorboard, write_wandb
+from tests.helpers.importers import write_tensorboard, write_wandb
 
 
 def verl_steps(seed: int, departs: bool):

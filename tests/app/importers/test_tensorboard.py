@@ -11,7 +11,7 @@ from rldiag.app.cli.main import main
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
-from tests.app.importers.conftest import imported_runs, metric_rows, write_tensorboard
+from tests.helpers.importers import imported_runs, metric_rows, write_tensorboard
 
 # verl's names (its actor and rollout metrics), each aliased to a canonical key by rldiag's reader
 VERL = {"actor/grad_norm": keys.GRAD_NORM, "actor/pg_clipfrac": keys.CLIP_ACTIVE_RATE,

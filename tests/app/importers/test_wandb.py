@@ -11,7 +11,7 @@ from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.app.importers.loop import import_path
 from rldiag.collectors import keys
-from tests.app.importers.conftest import imported_runs, metric_rows, write_wandb
+from tests.helpers.importers import imported_runs, metric_rows, write_wandb
 
 
 def trl_steps(n: int):

@@ -9,7 +9,7 @@ from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.app.plots.decimate import decimate, decimate_trace
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 
 def _window_extremes(steps: np.ndarray, values: np.ndarray, width: float) -> set[int]:

@@ -211,8 +211,8 @@ def test_html_shaped_run_names_stay_text_in_the_figure_json():
 @pytest.mark.slow
 def test_a_run_of_a_million_points_loads_and_draws_bounded(tmp_path):
     # 1 M points of one metric, stored as MLflow stores them (bench's store builder), NaN/inf included
-    from bench._common import metric_store
     from rldiag.app.data.histories import load_histories
+    from tests.helpers.bench_code import metric_store
 
     n = 1_000_000
 

@@ -11,7 +11,7 @@ from rldiag.app.analysis.divergence import Divergence
 from rldiag.app.data.trace import Trace
 from rldiag.app.plots.figures import metric_figure
 from rldiag.app.plots.grid_figure import grid_figure
-from tests.browser import chromium, screenshot
+from tests.helpers.browser import chromium, screenshot
 
 REFS = ("ref 0", "ref 1", "ref 2")
 # Per drawn chart: the data axis' range and box, the strip's box, each marker trace's page y, the legend's box.

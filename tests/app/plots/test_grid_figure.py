@@ -13,7 +13,7 @@ from rldiag.app.analysis.divergence import Divergence
 from rldiag.app.data.trace import Trace
 from rldiag.app.plots.figures import metric_figure
 from rldiag.app.plots.grid_figure import LEGEND_WIDTH_PX, grid_figure
-from tests.app.dashboard.helpers import panels
+from tests.helpers.dashboard import panels
 
 EVIL = "<img src=x onerror=alert(1)>"
 

@@ -15,7 +15,7 @@ import pytest
 
 from rldiag.app.report.build import build_report
 from rldiag.experiments import masked_vs_unmasked as mvu
-from tests.browser import chromium, screenshot
+from tests.helpers.browser import chromium, screenshot
 
 STEPS = 12
 

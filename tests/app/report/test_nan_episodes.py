@@ -10,7 +10,7 @@ from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.app.report.nan_episodes import nan_episodes
 from rldiag.collectors import keys
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 NAN = math.nan
 

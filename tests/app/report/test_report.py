@@ -23,7 +23,7 @@ from rldiag.app.data.store import open_store
 from rldiag.app.plots.figures import NAN_SUFFIX, POSINF_SUFFIX, trace_names
 from rldiag.app.report.build import build_report, render_report
 from rldiag.collectors import keys as K
-from tests.app.conftest import T0_MS, log_raw, write_run
+from tests.helpers.runs import T0_MS, log_raw, write_run
 
 STEPS = 200
 SHIFT_AT, SHIFT = 120, 0.08
@@ -207,7 +207,7 @@ def test_bad_selection_names_the_value_and_the_fix(runs):
 # ---- HTML in a real browser ---------------------------------------------------------------------
 @pytest.mark.browser
 def test_html_draws_every_chart_offline_in_chromium(report, runs, tmp_path):
-    from tests.browser import chromium, screenshot
+    from tests.helpers.browser import chromium, screenshot
 
     path = tmp_path / "report.html"
     report.write(path)

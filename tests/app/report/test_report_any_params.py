@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from rldiag.collectors import keys as K
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 
 def _group(uri: str, group: str, params: dict, nan: bool) -> None:

@@ -35,8 +35,8 @@ from rldiag.app.watch.loop import Watcher
 from rldiag.app.watch.state import RunState, WatchState, in_ranges
 from rldiag.collectors import keys
 from rldiag.collectors.alerts import JsonlSink as _JsonlSink
-from tests.app.conftest import log_raw, write_run
-from tests.conftest import free_port
+from tests.helpers.net import free_port
+from tests.helpers.runs import log_raw, write_run
 
 JsonlSink = partial(_JsonlSink, background=False)  # as `rldiag watch` builds it: written before the state is saved
 

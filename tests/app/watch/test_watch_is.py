@@ -13,7 +13,7 @@ from rldiag.app.watch.loop import Watcher
 from rldiag.app.watch.state import WatchState
 from rldiag.collectors import keys as K
 from rldiag.collectors.alerts import JsonlSink as _JsonlSink
-from tests.app.conftest import write_run
+from tests.helpers.runs import write_run
 
 JsonlSink = partial(_JsonlSink, background=False)  # as `rldiag watch` builds it
 

@@ -10,7 +10,8 @@ directory under the system temp dir (not pytest's tmp_path: that is mode 0700 un
 which the `postgres` user cannot enter) and is removed by `stop()`.
 
 Durability is off (`fsync`, `synchronous_commit`, `full_page_writes`): the data is thrown away and the
-machine is shared; nothing a client sees changes. Like `bench/_server.py`, this does not import pytest:
+machine is shared; nothing a client sees changes. Like `bench/_server.py`, this does not import pytest
+(the benchmarks use it too):
 a missing binary raises `PostgresMissing`, whose message says `sudo make sysdeps`.
 """
 
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._server import free_port
+from tests.helpers.net import free_port
 
 FIX = "install it with `sudo make sysdeps` (Debian's postgresql package; CI runs it as root via `make test`)"
 SERVER_SETTINGS = {

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.net import start_dashboard
+
 CHROMIUM_ENV = "RLDIAG_CHROMIUM"  # override the browser binary (default: Debian's /usr/bin/chromium)
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
-ARTIFACTS = Path(__file__).resolve().parent / "artifacts"  # screenshots land here (gitignored)
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"  # tests/artifacts: screenshots land here (gitignored)
 
 
 def chromium_path() -> str:
@@ -57,9 +61,41 @@ def drawn_panels_js(fields: str = "name: t.name, x: Array.from(t.x || [])") -> s
 }})"""
 
 
+# Every panel drawn: its title and, per trace, the name plotly shows and the x it drew.
+DRAWN_JS = drawn_panels_js()
+
+
 def screenshot(page, name: str) -> Path:
     """Save a full-page PNG under tests/artifacts/ and return its path."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+# The dashboard's page is connected and its script has run to the end.
+READY = ('[data-testid="stApp"][data-test-connection-state="CONNECTED"]'
+         '[data-test-script-state="notRunning"]')
+
+
+def serve(uri: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    """`rldiag app` on a free port in its own process group; returns once /_stcore/health says ok."""
+    log = tmp_path / "rldiag.app.log"
+    try:
+        proc, url, _ = start_dashboard(uri, log)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    return proc, url, log
+
+
+def drawn(page, wanted: dict[str, set[str]], timeout_s: float = 240) -> dict[str, dict[str, list]]:
+    """Wait until each chart title in `wanted` is drawn holding (at least) those trace names."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        charts = {c["title"]: {t["name"]: t["x"] for t in c["traces"]} for c in page.evaluate(DRAWN_JS)}
+        if all(title in charts and names <= set(charts[title]) for title, names in wanted.items()):
+            return charts
+        if time.monotonic() > deadline:
+            pytest.fail(f"charts not drawn as expected after {timeout_s} s: have {{title: names}} = "
+                        f"{ {k: sorted(v) for k, v in charts.items()} }")
+        page.wait_for_timeout(250)
