@@ -52,7 +52,8 @@ def _restore_main_module():
 # its module-scoped fixtures (a real `mlflow server`, a trained tiny model) are built once, as in a serial run.
 SHARED_FIXTURE_FILES = {
     "parity_store": ("tests/experiments/test_engine_parity.py", "tests/experiments/test_causes_engine_parity.py",
-                     "tests/experiments/test_divergence_onsets.py"),
+                     "tests/experiments/test_divergence_onsets.py",
+                     "tests/experiments/test_is_health_engine_parity.py"),
 }
 
 
