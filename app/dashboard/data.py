@@ -20,7 +20,7 @@ import pandas as pd
 import plotly.io
 import streamlit as st
 
-from rldiag.app.analysis.comparison import CompareOptions, Comparison, compare
+from rldiag.app.analysis.comparison import CompareOptions, Comparison, compare, tested_bands
 from rldiag.app.analysis.config_diff import RunConfig, config_diff, load_configs
 from rldiag.app.analysis.divergence import Divergence, DivergenceConfig, sigma_cell
 from rldiag.app.data.alerts import load_alert_events
@@ -303,7 +303,8 @@ def figure(stamp: tuple, _h: Histories, key: str, run_ids: tuple[str, ...], labe
     `_divergences` follow from `stamp` and the references and candidates. A dict, not the `go.Figure`:
     unpickling a figure from the cache validates every property again (0.15 s a chart)."""
     return metric_figure(key, _h.for_key(key, run_ids), labels=dict(labels), reference_ids=reference_ids,
-                         colors=dict(colors), divergences=_divergences, options=options).to_plotly_json()
+                         colors=dict(colors), divergences=_divergences, options=options,
+                         bands=tested_bands(_h, key, reference_ids, _divergences)).to_plotly_json()
 
 
 @st.cache_data(ttl=3600, max_entries=64, show_spinner=False)

@@ -13,7 +13,7 @@ from rldiag.app.analysis.divergence import zero_rate_text
 from rldiag.app.plots.colors import PALETTE
 
 if TYPE_CHECKING:
-    from rldiag.app.analysis.divergence import Band, Divergence
+    from rldiag.app.analysis.divergence import Band, Departure, Divergence
     from rldiag.app.data.trace import Trace
     from rldiag.app.plots.figures import ChartOptions
 
@@ -55,8 +55,9 @@ def band_traces(bands: Mapping[str, Band], shown: Mapping[str, Trace], colors: M
 
 def departure_marks(shown: Mapping[str, Trace], divergences: Mapping[str, Divergence], colors: Mapping[str, str],
                      labels: Mapping[str, str], options: ChartOptions) -> tuple[list[dict], list[dict]]:
-    """Each diverged candidate's first departure: a dashed vertical line at its onset (candidates starting
-    at one step split its height), a bar of its colour along the foot of the plot from the onset to the
+    """Each diverged candidate's lead departure (`Divergence.lead`: the one its headline, verdict and tested
+    band name; a burst that ended never ahead of a lasting shift): a dashed vertical line at its onset
+    (candidates starting at one step split its height), a bar of its colour along the foot of the plot from the onset to the
     alert, and a diamond on its curve at the alert (diamonds at one step nest, the first the largest, so
     none hides another), hover text worded by `verdicts.when_text`. Traces and shapes; parts outside the
     step range left out."""
@@ -66,15 +67,15 @@ def departure_marks(shown: Mapping[str, Trace], divergences: Mapping[str, Diverg
         return not ((options.first is not None and step < options.first)
                     or (options.last is not None and step > options.last))
 
-    marks: list[tuple[str, Divergence, int, int]] = []
+    marks: list[tuple[str, Departure, int, int]] = []
     for run, div in divergences.items():
-        if run not in shown or not div.diverged:
+        if run not in shown or not div.diverged or (lead := div.lead) is None:
             continue
-        onset = int(div.onset_step)
-        alert = div.alert_step
+        onset = int(lead.onset_step)
+        alert = lead.alert_step
         alert = onset if alert is None or not np.isfinite(alert) or alert < onset else int(alert)
         if shown_at(onset) or shown_at(alert) or (options.first is not None and onset < options.first <= alert):
-            marks.append((run, div, onset, alert))
+            marks.append((run, lead, onset, alert))
     data: list[dict] = []
     shapes: list[dict] = []
     by_onset: dict[int, list[str]] = {}
@@ -99,11 +100,9 @@ def departure_marks(shown: Mapping[str, Trace], divergences: Mapping[str, Diverg
         t = shown[run]
         i = int(np.searchsorted(t.steps, alert))
         y = float(t.values[min(i, len(t) - 1)]) if len(t) else float("nan")
-        first = div.first
-        size = departure_size(div.kind, div.delta, first.delta_sigma if first is not None else div.delta_sigma,
-                              div.candidate_level, div.reference_level)
+        size = departure_size(div.kind, div.delta, div.delta_sigma, div.candidate, div.reference)
         if div.kind == "zero_rate":
-            size = zero_rate_text(div.candidate_level, div.reference_level)
+            size = zero_rate_text(div.candidate, div.reference)
         name = plain(DIVERGES_PREFIX + labels.get(run, run))
         k, m = by_alert[alert].index(run), len(by_alert[alert])
         data.append(dict(

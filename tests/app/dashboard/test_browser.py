@@ -68,7 +68,8 @@ def test_picked_runs_are_drawn_with_nan_markers_and_names_as_text(dash_store, tm
             assert legend.count("v1 shifted") == 1 and len(legend) == len(set(legend)), legend
             assert not [n for n in legend if n.startswith("diverges: ") or n.endswith((" NaN", " +inf", " -inf"))]
             [key] = page.locator("svg.main-svg text.legendtitletext").all_text_contents()
-            assert key.split() == ["×", "NaN", "▲", "+inf", "◆", "alert", "╎", "onset"], key
+            assert key.split() == ["×", "NaN", "▲", "+inf", "◆", "alert", "╎", "onset", "▒", "band", "tested,", "┈",
+                                   "its", "trailing", "median"], key  # v1 shifted's tested band is drawn
             legend_h, top = page.evaluate(LEGEND_JS)
             assert 20 < legend_h <= top  # one row at this width: the margin grid_figure estimated holds it
             page.set_viewport_size({"width": 1100, "height": 1100})

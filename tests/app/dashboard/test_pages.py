@@ -52,7 +52,10 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
                           keys.GRAD_NORM, keys.LOSS]  # the default metrics these runs logged, in order
     escaped = {html.escape(n, quote=False) for n in TAGGED}
     ratio = by_name(figs[keys.RATIO_MEAN])
-    lines = [t for t in figs[keys.RATIO_MEAN] if t["mode"] == "lines"]
+    lines = [t for t in figs[keys.RATIO_MEAN] if t["mode"] == "lines" and t.get("showlegend") is not False]
+    # the band the detector tested the shifted candidate against, drawn beneath the lines (no legend entry)
+    assert [t["name"] for t in figs[keys.RATIO_MEAN] if " band (" in t["name"]] in (
+        [f"v1 shifted band ({w}-step median)"] * 2 for w in (11, 21, 41, 81, 129))
     assert {t["name"] for t in lines} == escaped  # the run named like HTML is escaped text for plotly
     assert lines[-1]["name"] == "v0 ref" and lines[-1]["line"]["width"] == 3.0  # reference on top, wider
     assert len(lines[0]["x"]) == 300  # 300 points fit under the chart's budget: nothing decimated away
@@ -307,11 +310,13 @@ def test_nan_events_page_gives_no_all_clear_for_unchecked_gradients(store_uri, m
 
 def test_a_run_keeps_its_colour_when_the_picked_runs_change(dash_store, monkeypatch):
     at = app(dash_store.uri, monkeypatch, "compare")
-    six = {t["name"]: t["line"]["color"] for t in figures(at)[keys.RATIO_MEAN] if t.get("mode") == "lines"}
+    six = {t["name"]: t["line"]["color"] for t in figures(at)[keys.RATIO_MEAN]
+           if t.get("mode") == "lines" and t.get("showlegend") is not False}  # runs' lines, not a tested band
     assert len(six) == 6 and len(set(six.values())) == 6  # the reference and five candidates, six colours
     # With only v1 shifted picked it was the first candidate (another colour before); now it keeps its own.
     at.multiselect(key="sidebar.candidates").set_value([dash_store.ids["v1 shifted"]]).run()
-    two = {t["name"]: t["line"]["color"] for t in figures(at)[keys.RATIO_MEAN] if t.get("mode") == "lines"}
+    two = {t["name"]: t["line"]["color"] for t in figures(at)[keys.RATIO_MEAN]
+           if t.get("mode") == "lines" and t.get("showlegend") is not False}
     assert set(two) == {"v0 ref", "v1 shifted"} and two == {n: six[n] for n in two}
 
 

@@ -99,7 +99,8 @@ def test_divergence_onset_is_marked_on_the_candidate():
     # no alert known (an older frame) or the alert at the onset: the diamond at the onset, no span
     import dataclasses
 
-    for same in (dataclasses.replace(div, alert_step=None), dataclasses.replace(div, alert_step=onset)):
+    for same in (dataclasses.replace(div, alert_step=None, departures=()),
+                 dataclasses.replace(div, alert_step=onset, departures=())):
         fig = metric_figure("policy/ratio_mean", {"cand": cand}, divergences={"cand": same})
         marker = next(t for t in fig.data if t.name == DIVERGES_PREFIX + "cand")
         assert list(marker.x) == [onset] and [s.type for s in fig.layout.shapes] == ["line"]
@@ -108,6 +109,22 @@ def test_divergence_onset_is_marked_on_the_candidate():
     fig = metric_figure("policy/ratio_mean", {"cand": cand}, divergences={"cand": div},
                         options=ChartOptions(first=onset + 1, last=299))
     assert [(s.type, s.x0, s.x1) for s in fig.layout.shapes] == [("rect", onset + 1, alert)]
+
+
+def test_the_marker_is_on_the_lead_departure_not_a_burst_that_ended_before_it():
+    rng = np.random.default_rng(2)
+    refs = [_trace(f"s{i}", 1 + 0.01 * rng.standard_normal(400)) for i in range(3)]
+    values = 1 + 0.01 * rng.standard_normal(400)
+    values[40:70] += 0.2  # a 20-sd burst that ends ...
+    values[250:] += 0.1  # ... before a lasting 10-sd shift
+    cand = _trace("cand", values)
+    div = detect_divergence(refs, cand)
+    assert len(div.departures) >= 2 and div.first.onset_step < 70 and div.lead.onset_step >= 240, div.departures
+    fig = metric_figure("policy/ratio_mean", {**{t.run_id: t for t in refs}, "cand": cand},
+                        reference_ids=[t.run_id for t in refs], divergences={"cand": div})
+    marker = next(t for t in fig.data if t.name == DIVERGES_PREFIX + "cand")
+    assert list(marker.x) == [div.lead.alert_step]  # where the headline, the verdict and the band point
+    assert f"started about step {div.lead.onset_step})" in marker.hovertemplate
 
 
 def test_step_range_log_scale_and_smoothing():
@@ -255,7 +272,7 @@ def test_figure_is_what_plotly_validates(options):
     validated = json.loads(go.Figure(fig.to_dict()).to_json())
     assert ours == validated
     assert ours["layout"]["template"]["layout"]["plot_bgcolor"] == "white"  # plotly_white, expanded for plotly.js
-    assert ours["layout"]["shapes"][0]["x0"] == divs["c"].onset_step
+    assert ours["layout"]["shapes"][0]["x0"] == divs["c"].lead.onset_step
 
 
 def test_ten_runs_nan_markers_sit_in_a_strip_of_their_own_above_the_data():
