@@ -47,14 +47,8 @@ def _value(h: Histories, run: str, key: str, step: int) -> float | None:
 
 
 def _on(t, steps: np.ndarray) -> np.ndarray:
-    """`t`'s values at `steps` (NaN where it has none), vectorised."""
-    out = np.full(len(steps), np.nan)
-    if t is None or not len(t):
-        return out
-    pos = np.minimum(np.searchsorted(t.steps, steps), len(t.steps) - 1)
-    hit = t.steps[pos] == steps
-    out[hit] = t.values[pos[hit]]
-    return out
+    """`t`'s values at `steps` (`Trace.at`), all NaN where there is no trace."""
+    return np.full(len(steps), np.nan) if t is None else t.at(steps)
 
 
 def first_step(h: Histories, run: str) -> int | None:

@@ -110,14 +110,8 @@ class ISHealth:
 
 
 def _at(t, steps: np.ndarray) -> np.ndarray:
-    """The trace's values at `steps`, NaN where it has none."""
-    out = np.full(len(steps), np.nan)
-    if t is None or not len(t):
-        return out
-    pos = np.minimum(np.searchsorted(t.steps, steps), len(t.steps) - 1)
-    hit = t.steps[pos] == steps
-    out[hit] = t.values[pos[hit]]
-    return out
+    """`t`'s values at `steps` (`Trace.at`), all NaN where there is no trace."""
+    return np.full(len(steps), np.nan) if t is None else t.at(steps)
 
 
 def _own_base(t) -> float:

@@ -68,6 +68,16 @@ class Trace:
         return Trace(self.run_id, self.key, self.source_key, self.steps[lo:hi], self.values[lo:hi],
                      self.timestamps[lo:hi], self.logged_at)
 
+    def at(self, steps: np.ndarray) -> np.ndarray:
+        """The values at `steps` (NaN where this trace has no point), vectorised."""
+        out = np.full(len(steps), np.nan)
+        if not len(self.steps):
+            return out
+        pos = np.minimum(np.searchsorted(self.steps, steps), len(self.steps) - 1)
+        hit = self.steps[pos] == steps
+        out[hit] = self.values[pos[hit]]
+        return out
+
     def as_raw(self) -> RawSeries:
         """The points as the store holds them (at `logged_at`, where that is set)."""
         steps = self.steps if self.logged_at is None else np.full(len(self.steps), self.logged_at, np.int64)
