@@ -783,7 +783,7 @@ def stops_short(histories: Histories, run_id: str, reference_ids: Sequence[str],
     """`{key: (its last step, the references' last step)}` for those of `keys` that `run_id` logged but
     stops logging before the references' last step: the steps after it were not compared."""
     out = {}
-    for key in keys if reference_ids else ():  # no reference: nothing to stop short of (for_key(()) is every run)
+    for key in keys if reference_ids else ():  # no reference: nothing to stop short of
         t = histories.get(run_id, key)
         ends = [int(r.steps[-1]) for r in histories.for_key(key, reference_ids).values() if len(r)]
         if t is not None and len(t) and ends and int(t.steps[-1]) < max(ends):

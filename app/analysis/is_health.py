@@ -123,7 +123,7 @@ def _baseline(h: Histories, run: str, key: str, refs: Sequence[str], steps: np.n
               low: bool) -> tuple[np.ndarray, bool]:
     """Per step: the references' lowest (`low`) or highest value there, or the run's own first-BASE median;
     and whether the references gave it."""
-    at = [_at(t, steps) for t in h.for_key(key, refs).values()] if refs else []  # for_key((), ...): every run
+    at = [_at(t, steps) for t in h.for_key(key, refs).values()] if refs else []
     if at:
         stack = np.stack(at)
         stack[~np.isfinite(stack)] = np.nan

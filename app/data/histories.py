@@ -83,9 +83,11 @@ class Histories:
         return self.traces.get((run_id, canonical_key(key)))
 
     def for_key(self, key: str, run_ids: Sequence[str] | None = None) -> dict[str, Trace]:
-        """`{run_id: trace}` for one metric, in `run_ids` order (default: load order), runs without it left out."""
+        """`{run_id: trace}` for one metric, in `run_ids` order (None: every run, in load order), runs without it
+        left out. An empty `run_ids` is no run (a group without references has none), never every run."""
         key = canonical_key(key)
-        return {r: self.traces[(r, key)] for r in (run_ids or self.run_ids) if (r, key) in self.traces}
+        ids = self.run_ids if run_ids is None else run_ids
+        return {r: self.traces[(r, key)] for r in ids if (r, key) in self.traces}
 
     def frame(self, key: str, run_ids: Sequence[str] | None = None):
         """Wide DataFrame for one metric: index step, one column per run (see `rldiag.app.data.align.align_by_step`)."""

@@ -373,3 +373,15 @@ def test_a_run_logged_with_no_step_is_kept_whole_in_logging_order(store_uri, sql
     log_raw(store_uri, two, [(keys.LOSS, 1.0, T0_MS, 3), (keys.LOSS, 2.0, T0_MS + 5, 3)])
     t2 = load_histories(open_store(store_uri), [two]).get(two, keys.LOSS)
     assert t2.logged_at is None and t2.steps.tolist() == [3] and t2.values.tolist() == [2.0]
+
+
+def test_for_key_of_no_run_is_no_trace_and_none_is_every_run(store_uri):
+    from rldiag.app.data.histories import load_histories
+    from rldiag.app.data.store import open_store
+    from rldiag.collectors import keys as K
+
+    ids = [write_run(store_uri, experiment="fk", name=f"r{i}", steps=[(s, {K.LOSS: 1.0}) for s in range(3)])
+           for i in range(2)]
+    h = load_histories(open_store(store_uri), ids, [K.LOSS])
+    assert h.for_key(K.LOSS, ()) == {} and h.for_key(K.LOSS, []) == {}  # a group without references: none
+    assert list(h.for_key(K.LOSS)) == ids and list(h.for_key(K.LOSS, ids[1:])) == ids[1:]
