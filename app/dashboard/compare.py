@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pandas as pd
+import plotly.io
 import streamlit as st
 
 from rldiag.app.analysis.causes import RunCauses
@@ -29,10 +30,12 @@ from rldiag.app.dashboard.selection import (
     needs_runs,
 )
 from rldiag.app.dashboard.worst_tokens import render_section as worst_token_section
+from rldiag.app.data.histories import Histories
 from rldiag.app.data.runs import runs_with_metrics
 from rldiag.app.data.steps import format_ranges
 from rldiag.app.plots.decimate import DEFAULT_POINTS
-from rldiag.app.plots.figures import ChartOptions, run_colors, run_order
+from rldiag.app.plots.figures import ChartOptions, metric_figure, run_colors, run_order
+from rldiag.app.plots.grid_figure import grid_figure
 from rldiag.app.report.content import (
     empty_text,
     evidence_parts,
@@ -148,14 +151,34 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
     with st.spinner("Loading metric histories..."):
         loaded = data.histories(sel.uri, run_ids, page_keys(metric_keys), live=live, force=force)
     h = loaded.histories
-    # the one comparison (the report's and the watcher's too): divergences, summaries, likely causes
-    found = (data.comparison(sel.uri, loaded, tuple(refs), tuple(cands), tuple(metric_keys),
-                             data.runs_version(sel.runs, cands)) if refs and cands else None)
-    divs = found.divergences if found is not None else {}
-
+    version = data.runs_version(sel.runs, cands)
     # At a glance first (one line per page, the charts right under it: above the fold at 1280x800), then
     # each candidate's lines in full; filled in below, once everything is computed.
     glance, board = st.container(), st.container()
+    colors = run_colors(run_ids, refs, order=run_order(sel.runs))  # from the run, not its place in the pick
+    labels = tuple((r, sel.labels[r]) for r in run_ids)
+    shown = [k for k in metric_keys if h.for_key(k, run_ids)]
+    missing = [k for k in metric_keys if k not in shown]
+    drawn = (sel.uri, tuple(run_ids), tuple(refs), tuple(cands), tuple(metric_keys))
+    if missing:
+        board.caption(f"No picked run logged: {escape_md(', '.join(missing))}.")
+    waiting = slot = None
+    # a comparison to compute (seconds at scale): the charts first, without marks, unless this session has
+    # them drawn already (a live refresh keeps the drawn ones until the new ones replace them)
+    if (refs and cands and shown and st.session_state.get("compare.drawn") != drawn
+            and not data.comparison_cached(sel.uri, loaded, tuple(refs), tuple(cands), tuple(metric_keys), version)):
+        # one element each: a container in a placeholder's place would keep the early one's elements
+        waiting, slot = board.empty(), board.empty()
+        waiting.caption("Verdicts being computed... the charts get each candidate's departure marks and band "
+                        "once they are.")
+        with slot:
+            chart_grid(draft_grid(h, tuple(shown), tuple(run_ids), labels, tuple(refs), tuple(colors.items()),
+                                  options), key="compare.charts.draft", config=PLOT_CONFIG)
+    # the one comparison (the report's and the watcher's too): divergences, summaries, likely causes
+    found = (data.comparison(sel.uri, loaded, tuple(refs), tuple(cands), tuple(metric_keys), version)
+             if refs and cands else None)
+    divs = found.divergences if found is not None else {}
+
     st.subheader("Where candidates leave the reference")
     if not refs:
         st.info("Pick a reference run in the sidebar to see where candidates depart from it.")
@@ -186,17 +209,23 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         if any(r.departs != "-" or r.cause != "-" for r in rows):  # a static table: the fix wraps, never cut
             glance.markdown(html_table(pd.DataFrame(rows, columns=["candidate", "verdict", "departs", "likely cause",
                                                                    "fix"])), unsafe_allow_html=True)
-    with board:
-        colors = run_colors(run_ids, refs, order=run_order(sel.runs))  # from the run, not its place in the pick
-        labels = tuple((r, sel.labels[r]) for r in run_ids)
-        shown = [k for k in metric_keys if h.for_key(k, run_ids)]
-        missing = [k for k in metric_keys if k not in shown]
-        if missing:
-            st.caption(f"No picked run logged: {escape_md(', '.join(missing))}.")
-        if shown:
-            figure = data.grid(loaded.stamp, h, tuple(shown), tuple(run_ids), labels, tuple(refs),
-                               tuple(colors.items()), divs, options)
+    if shown:
+        figure = data.grid(loaded.stamp, h, tuple(shown), tuple(run_ids), labels, tuple(refs),
+                           tuple(colors.items()), divs, options)
+        if waiting is not None:
+            waiting.empty()
+        with slot if slot is not None else board:  # the full grid in the early one's place
             chart_grid(figure, key="compare.charts", config=PLOT_CONFIG)
+    st.session_state["compare.drawn"] = drawn
+
+
+def draft_grid(h: Histories, metric_keys: tuple[str, ...], run_ids: tuple[str, ...], labels: tuple[tuple[str, str], ...],
+               reference_ids: tuple[str, ...], colors: tuple[tuple[str, str], ...], options: ChartOptions) -> str:
+    """`data.grid`'s figure without departure marks or tested bands: what a first load draws while the
+    comparison is computed. Not cached: drawn once, then replaced (decimating is a small part of a load)."""
+    figures = [metric_figure(k, h.for_key(k, run_ids), labels=dict(labels), reference_ids=reference_ids,
+                             colors=dict(colors), options=options).to_plotly_json() for k in metric_keys]
+    return plotly.io.to_json(grid_figure(figures), validate=False)
 
 
 def glance_line(summaries: list[CandidateSummary], labels, n_refs: int) -> str:

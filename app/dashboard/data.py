@@ -270,24 +270,61 @@ def _persisted(kind: str, key: tuple, build):
     return value
 
 
+COMPARISON_TTL_S = 3600  # a comparison stays in memory this long (and on disk until pruned)
+COMPARISON_ENTRIES = 64
+
+
+def _comparison_inputs(uri: str, loaded: Loaded, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
+                       metric_keys: tuple[str, ...], version: tuple) -> tuple[tuple, dict, dict]:
+    """The cache key of a `comparison` (everything it follows from), the runs' params and the alerts."""
+    cfgs = configs(uri, reference_ids + candidate_ids)
+    alerts = alert_events(uri, candidate_ids, version)
+    params = {r: dict(c.params) for r, c in cfgs.items()}
+    inputs = hashlib.sha256(repr((sorted((r, sorted(p.items())) for r, p in params.items()), alerts)).encode())
+    key = (loaded.stamp, reference_ids, candidate_ids, metric_keys, inputs.hexdigest(),
+           repr(DivergenceConfig.from_env()))
+    return key, params, alerts
+
+
+@st.cache_resource(max_entries=1, show_spinner=False)
+def _compared() -> tuple[threading.Lock, OrderedDict]:
+    """The keys of the comparisons in memory (made or read by this process), with since when."""
+    return threading.Lock(), OrderedDict()
+
+
+def comparison_cached(uri: str, loaded: Loaded, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
+                      metric_keys: tuple[str, ...], version: tuple = ()) -> bool:
+    """Whether `comparison` of the same arguments comes from a cache (this process's memory, or the disk
+    cache's file for it): cheap, so the Compare page can draw its charts before a comparison it computes."""
+    key = _comparison_inputs(uri, loaded, reference_ids, candidate_ids, metric_keys, version)[0]
+    lock, seen = _compared()
+    with lock:
+        if time.monotonic() - seen.get(key, float("-inf")) < COMPARISON_TTL_S:
+            return True
+    disk = disk_cache()
+    return disk is not None and disk.path("comparison", key).is_file()
+
+
 def comparison(uri: str, loaded: Loaded, reference_ids: tuple[str, ...], candidate_ids: tuple[str, ...],
                metric_keys: tuple[str, ...], version: tuple = ()) -> Comparison:
     """`rldiag.app.analysis.comparison.compare` of the candidates on `metric_keys`, from `loaded` (loaded
     with `load_keys`), the runs' params and the candidates' alerts (`version`: `runs_version`); kept until
     new rows arrive or any of those changes, and on disk for the next dashboard process."""
-    cfgs = configs(uri, reference_ids + candidate_ids)
-    alerts = alert_events(uri, candidate_ids, version)
-    params = {r: dict(c.params) for r, c in cfgs.items()}
-    inputs = hashlib.sha256(repr((sorted((r, sorted(p.items())) for r, p in params.items()), alerts)).encode())
-    inputs = inputs.hexdigest()
-    key = (loaded.stamp, reference_ids, candidate_ids, metric_keys, inputs, repr(DivergenceConfig.from_env()))
+    key, params, alerts = _comparison_inputs(uri, loaded, reference_ids, candidate_ids, metric_keys, version)
     # shown only where it takes over half a second (st.spinner's delay): a first load, not one from a cache
     with st.spinner(f"Comparing {len(candidate_ids)} candidate(s) with the reference on {len(metric_keys)} "
                     "metrics (first load; later loads are from the cache)...", show_time=True):
-        return _comparison(key, loaded.histories, params, alerts)
+        found = _comparison(key, loaded.histories, params, alerts)
+    lock, seen = _compared()
+    with lock:  # when it entered the memory cache (_comparison's ttl counts from then)
+        now, since = time.monotonic(), seen.pop(key, float("-inf"))
+        seen[key] = since if now - since < COMPARISON_TTL_S else now
+        while len(seen) > COMPARISON_ENTRIES:
+            seen.popitem(last=False)
+    return found
 
 
-@st.cache_data(ttl=3600, max_entries=64, show_spinner=False)
+@st.cache_data(ttl=COMPARISON_TTL_S, max_entries=COMPARISON_ENTRIES, show_spinner=False)
 def _comparison(key: tuple, _h: Histories, _params, _alerts) -> Comparison:
     refs, cands, metric_keys = key[1], key[2], key[3]
     options = CompareOptions(metric_keys, DivergenceConfig.from_env())
