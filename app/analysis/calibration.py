@@ -29,12 +29,18 @@ import numpy as np
 from scipy.special import ndtri
 
 
+def ar_mean_var(m: int, phi: float) -> float:
+    """Variance of the mean of `m` consecutive points of unit-variance AR(1) noise."""
+    if phi <= 0:
+        return 1.0 / m
+    d = np.arange(1, m)
+    return float((m + 2 * np.sum((m - d) * phi**d)) / m**2)
+
+
 def span(m: int, phi: float) -> float:
     """1 / (1 - its lag-1 correlation) for the mean of the last `m` points of unit AR(1) noise: the
     scale over which it stays alike (m for independent points; a step changes it by x_t - x_(t-m),
     variance 2 (1 - phi^m), against m^2 ar_mean_var(m) of its own x 2)."""
-    from rldiag.app.analysis.detector import ar_mean_var
-
     phi = min(max(phi, 0.0), 0.95)
     return m * m * ar_mean_var(m, phi) / (1 - phi**m)
 

@@ -62,7 +62,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from rldiag.app.analysis.calibration import Calibration
+from rldiag.app.analysis.calibration import Calibration, ar_mean_var
 from rldiag.app.analysis.rolling_median import rolling_median, row_nanmedian
 from rldiag.app.data.trace import Trace
 
@@ -143,14 +143,6 @@ class ZeroRate(NamedTuple):
     run_bar: int = 0  # steps in a row exactly 0 that are a departure wherever the rate is (RUN_FACTOR x the references' longest)
     spread: float = 0.0  # sd of the seed-to-seed difference of the rate
     points: int = 0  # the references' most points (how many chances a run had there)
-
-
-def ar_mean_var(m: int, phi: float) -> float:
-    """Variance of the mean of `m` consecutive points of unit-variance AR(1) noise."""
-    if phi <= 0:
-        return 1.0 / m
-    d = np.arange(1, m)
-    return float((m + 2 * np.sum((m - d) * phi**d)) / m**2)
 
 
 def ar_diff_var(q: int, p: int, phi: float) -> float:

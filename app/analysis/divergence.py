@@ -339,21 +339,6 @@ def zero_rate_text(candidate: float, reference: float) -> str:
     return f"exactly 0 at {candidate:.0%} of steps vs {reference:.0%}"
 
 
-def departure_text(key: str, d: Departure) -> str:
-    """"ratio mean 1.263 vs 1 (+26%, +8.0 sd) alerted at step 3 (started about step 0)" — metric units
-    first, sd second, then when (`verdicts.departure_when`: a departure that ended says when it came back)."""
-    from rldiag.app.analysis.verdicts import departure_when
-
-    if d.kind == "nonfinite":
-        text = f"{key} non-finite"
-    elif d.kind == "zero_rate":
-        text = f"{key} {zero_rate_text(d.candidate, d.reference)}"
-    else:
-        text = (f"{key} {size_text(d.candidate, d.reference, d.delta_sigma)}" if d.kind == "level" else
-                f"{key} noise x{d.delta_sigma:.1f} the reference's")
-    return f"{text} {departure_when(d)}"
-
-
 def _aligned(model, candidate: Trace):
     """The candidate on the reference grid: steps, values (finite or NaN), reference-finite mask, centre."""
     pos = np.searchsorted(model.steps, candidate.steps)

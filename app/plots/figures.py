@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import plotly.graph_objects as go
@@ -35,7 +34,7 @@ from rldiag.app.analysis.divergence import Band, Divergence
 from rldiag.app.data.align import align_by_step
 from rldiag.app.data.trace import Trace
 from rldiag.app.plots.colors import PALETTE, REFERENCE_COLOR, REFERENCE_GREYS, run_colors, run_order  # noqa: F401
-from rldiag.app.plots.decimate import DEFAULT_POINTS, decimate
+from rldiag.app.plots.decimate import decimate
 from rldiag.app.plots.marks import (  # noqa: F401  (DIVERGES_PREFIX, MARKER_KEY: re-exported)
     DIVERGES_PREFIX,
     MARKER_KEY,
@@ -46,6 +45,7 @@ from rldiag.app.plots.marks import (  # noqa: F401  (DIVERGES_PREFIX, MARKER_KEY
     marker_key,
     plain,
 )
+from rldiag.app.plots.options import ChartOptions
 from rldiag.app.plots.plotly_compat import figure_from_dicts
 
 NAN_SUFFIX = " NaN"
@@ -60,25 +60,6 @@ LEGEND_WIDTH_PX = 500  # the width a chart's legend rows are estimated for (a re
 TITLE_PX = 30  # above the legend: the chart's title
 DASHES = ("solid", "dot", "dash", "dashdot")  # candidates sharing a colour (more than 12) differ in line style
 KINDS = ("NaN", "inf", "≤0")  # the strip's label names those it holds, in this order (short: a 60 px margin)
-
-
-@dataclass(frozen=True)
-class ChartOptions:
-    """How every metric chart of a view is drawn."""
-
-    delta: bool = False  # plot each run minus the reference (mean of the references) at the same step
-    smoothing: float = 0.0  # exponential moving average weight in [0, 1), as TensorBoard's slider; 0: raw
-    log_y: bool = False  # logarithmic y axis (values <= 0: a line break and an open circle at the bottom)
-    first: int | None = None  # first step shown (None: the start)
-    last: int | None = None  # last step shown (None: the end)
-    n_points: int = DEFAULT_POINTS  # line points per run after decimation
-    height: int = 300  # pixels, the legend's rows above the plot added to it
-
-    def __post_init__(self):
-        if not 0.0 <= self.smoothing < 1.0:
-            raise ValueError(f"smoothing={self.smoothing}: use a weight in [0, 1), e.g. 0.6 (0 turns it off)")
-        if self.first is not None and self.last is not None and self.first > self.last:
-            raise ValueError(f"step range {self.first}..{self.last} is empty: the first step must be <= the last")
 
 
 def smooth(values: np.ndarray, weight: float) -> np.ndarray:

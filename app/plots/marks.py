@@ -15,7 +15,7 @@ from rldiag.app.plots.colors import PALETTE
 if TYPE_CHECKING:
     from rldiag.app.analysis.divergence import Band, Departure, Divergence
     from rldiag.app.data.trace import Trace
-    from rldiag.app.plots.figures import ChartOptions
+    from rldiag.app.plots.options import ChartOptions
 
 DIVERGES_PREFIX = "diverges: "
 SPAN_HEIGHT = 0.03  # the onset-to-alert bar, a fraction of the plot area's height

@@ -85,7 +85,11 @@ def wait_for(cond, what: str, timeout: float = 120.0) -> None:
 
 
 def journaled_points(path: Path) -> int:
-    return sum(len(b.metrics) for b in read_journal(path).pending) if path.exists() else 0
+    """Points in the journal so far: 0 before its file is there, and while it is still empty (the writer makes
+    the file, O_EXCL, then writes its header line: a poll in between read it as "not an rldiag journal")."""
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    return sum(len(b.metrics) for b in read_journal(path).pending)
 
 
 class Down:

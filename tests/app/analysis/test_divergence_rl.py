@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rldiag.app.analysis.divergence import DivergenceConfig, departure_text, detect_divergence, sigma_cell, sigma_text
+from rldiag.app.analysis.divergence import DivergenceConfig, detect_divergence, sigma_cell, sigma_text
+from rldiag.app.analysis.verdicts import departure_text
 from rldiag.app.analysis.verdicts import when_text
 from rldiag.app.data.trace import Trace
 from tests.helpers.divergence import NO_CHANGE, every, make_set, scenario, trace
