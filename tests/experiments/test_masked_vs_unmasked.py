@@ -25,6 +25,7 @@ from rldiag.experiments.distill_loss import (
     pad_ragged,
     sparse_top1_divergence,
 )
+from tests.helpers.experiments import run_mvu
 
 RLDIAG = str(Path(sys.executable).parent / "rldiag")
 STEPS = 3
@@ -93,12 +94,7 @@ def test_missing_teacher_logprob_at_a_valid_position_is_an_error():
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mvu")
-    uri = f"sqlite:///{tmp / 'mlruns.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(tmp)  # journals and artifacts land in tmp
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        cfg = mvu.ExperimentConfig(base=mvu.DistillConfig(steps=STEPS), experiment="mvu-test")
-        summaries = mvu.run_experiment(cfg, tracking_uri=uri, progress=False)
+    uri, summaries = run_mvu(tmp, STEPS, "mvu-test")
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("mvu-test")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from rldiag.app.analysis.verdicts import STATUS_WORDS, rows_of
-from rldiag.experiments import masked_vs_unmasked as mvu
+from tests.helpers.experiments import run_mvu
 
 STEPS = 3
 GROUP = "masked_vs_unmasked"
@@ -20,14 +20,7 @@ GROUP = "masked_vs_unmasked"
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one-verdict-mvu")
-    uri = f"sqlite:///{tmp / 'mlruns.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(tmp)  # journals and artifacts land in tmp
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        cfg = mvu.ExperimentConfig(base=mvu.DistillConfig(steps=STEPS), experiment="one-verdict")
-        mvu.run_experiment(cfg, tracking_uri=uri, progress=False)
-    return uri
+    return run_mvu(tmp_path_factory.mktemp("one-verdict-mvu"), STEPS, "one-verdict")[0]
 
 
 def _html_rows(markup: str) -> dict[str, tuple[str, ...]]:

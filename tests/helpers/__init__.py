@@ -7,6 +7,7 @@ stay in conftest files and call these. Code the benchmarks also run stays in `be
 - dash_store: the dashboard tests' store (its runs and the constants that describe them)
 - dashboard: the dashboard under AppTest and what it drew (plotly figures, tables)
 - divergence: synthetic traces and RL-like scenarios for the detector (bench.divergence_*)
+- experiments: the masked-vs-unmasked experiment run for real into a temp store (run_mvu)
 - gloo_job: the tiny 2-rank gloo and FSDP jobs of the distributed tests
 - importers: runs written by TensorBoard's and wandb's own writers
 - net: a free port, a real `mlflow server`, the dashboard's process group (bench._server)

@@ -16,6 +16,7 @@ import pytest
 from rldiag.app.report.build import build_report
 from rldiag.experiments import masked_vs_unmasked as mvu
 from tests.helpers.browser import chromium, screenshot
+from tests.helpers.experiments import run_mvu
 
 STEPS = 12
 
@@ -23,14 +24,8 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mvu-report")
-    uri = f"sqlite:///{tmp / 'mlruns.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(tmp)  # journals and artifacts land in tmp
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        cfg = mvu.ExperimentConfig(base=mvu.DistillConfig(steps=STEPS), configs=((1, 1), (1, 2), (2, 1)),
-                                   experiment="mvu")
-        mvu.run_experiment(cfg, tracking_uri=uri, progress=False)
-        rep = build_report(uri, group=mvu.GROUP)
+    uri = run_mvu(tmp, STEPS, "mvu", configs=((1, 1), (1, 2), (2, 1)))[0]
+    rep = build_report(uri, group=mvu.GROUP)
     path = tmp / "report.html"
     rep.write(path)
     return rep, path
