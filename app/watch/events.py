@@ -54,31 +54,23 @@ class WatchAlert:
         return d
 
 
-def divergence_event(run_id: str, run_name: str, group: str, references: Sequence[str], row: dict,
+def divergence_event(run_id: str, run_name: str, group: str, references: Sequence[str], key: str, departure,
                      cause: str = "") -> dict:
-    """The event for a candidate that left its references' band on one metric (a `divergence_frame` row,
-    see `rldiag.app.analysis.divergence`), its text in the report's and the Compare page's words
+    """The event for one departure (a `Departure` of `rldiag.app.analysis.divergence`) of a candidate from its
+    references' band on `key`, its text in the report's and the Compare page's words
     (`verdicts.departure_sentence`: alerted at step A, started about step O); `cause`: its first likely
     cause in one line (`rldiag.app.analysis.causes.RunCauses.line`), "" if none fits. `step` is the onset
     (as before); `alert_step` and `onset_step` say both."""
-    from rldiag.app.analysis.verdicts import STATUS_WORDS, row_sentence
+    from rldiag.app.analysis.verdicts import STATUS_WORDS, departure_sentence
 
-    delta = row["delta"]
-    onset = int(row["onset_step"])
-    alert, end = (_step(row.get(f)) for f in ("alert_step", "end_step"))
-    alert = onset if alert is None else alert
+    d = departure
     text = (f"rldiag watch: run {run_name or run_id} ({run_id}) {STATUS_WORDS['diverged']} from its reference(s) in "
-            f"group {group!r}: {row_sentence(dict(row, alert_step=alert))}" + (f"; {cause}" if cause else ""))
+            f"group {group!r}: {departure_sentence(key, d)}" + (f"; {cause}" if cause else ""))
     return {"kind": "divergence", "source": SOURCE, "run_id": run_id, "run_name": run_name, "group": group,
-            "references": list(references), "key": row["key"], "step": onset, "onset_step": onset,
-            "alert_step": alert, "end_step": end,
-            "departure": row["kind"], "delta": _num(float(delta)), "delta_sigma": _num(float(row["delta_sigma"])),
+            "references": list(references), "key": key, "step": int(d.onset_step), "onset_step": int(d.onset_step),
+            "alert_step": int(d.alert_step), "end_step": None if d.end_step is None else int(d.end_step),
+            "departure": d.kind, "delta": _num(float(d.delta)), "delta_sigma": _num(float(d.delta_sigma)),
             "cause": cause, "time": time.time(), "text": text}
-
-
-def _step(v) -> int | None:
-    """A row's step: None for None or NaN."""
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
 
 
 def at_step(step: int, logged_at: int | None) -> str:

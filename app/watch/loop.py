@@ -341,7 +341,7 @@ class Watcher:
                     rs.tell_departure(key, deps[0].onset_step, deps[0].alert_step)
                 new = [p for p in deps if not rs.told_departure(key, p.onset_step, p.end_step)]
                 for p in _to_send(new, d.lead, run_id, key):
-                    event = divergence_event(run_id, name, g, refs[g], _departure_row(d, p), cause)
+                    event = divergence_event(run_id, name, g, refs[g], key, p, cause)
                     for sink in self.sinks:  # once per departure, at most a few a poll: no rate limit needed
                         try:
                             sink.send(event)
@@ -376,18 +376,6 @@ def _to_send(new: list, lead, run_id: str, key: str) -> list:
     log.info("rldiag watch: run %s, %s: %d earlier departures not sent (the report lists every one)",
              run_id, key, len(new) - len(keep))
     return keep
-
-
-def _departure_row(d, p) -> dict:
-    """The `divergence_frame` row of `d` (a `Divergence`) for its departure `p`: the event of that departure."""
-    from rldiag.app.analysis.divergence import DIVERGENCE_COLUMNS
-    from rldiag.app.analysis.verdicts import departure_size
-
-    row = {f: getattr(d, f) for f in DIVERGENCE_COLUMNS[1:]}
-    row.update(onset_step=p.onset_step, alert_step=p.alert_step, end_step=p.end_step, kind=p.kind, delta=p.delta,
-               delta_sigma=p.delta_sigma, candidate_level=p.candidate, reference_level=p.reference,
-               size=departure_size(p.kind, p.delta, p.delta_sigma) if p.kind == "variance" else row["size"])
-    return row
 
 
 def _cause(h: Histories, run) -> str:
