@@ -363,12 +363,6 @@ def grid(stamp: tuple, _h: Histories, metric_keys: tuple[str, ...], run_ids: tup
 
 # ---- pure helpers the pages share ---------------------------------------------------------------
 
-DEFAULT_METRICS: tuple[str, ...] = (
-    keys.RATIO_MEAN, keys.CLIP_RATE, keys.CLIP_ACTIVE_RATE, keys.KL_NEW_OLD, keys.KL_REF, keys.ENTROPY, keys.REWARD_MEAN,
-    keys.MISMATCH_LOGPROB_MEAN, keys.GRAD_NORM, keys.LOSS,
-)
-
-
 def available_metrics(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> list[str]:
     """Canonical keys that any of `run_ids` logged, in the canonical table's order."""
     logged = set().union(*(set(m) for m in runs_df.loc[runs_df.run_id.isin(run_ids), "metrics"]))
