@@ -25,8 +25,9 @@ The model's bar is checked by simulation in tests/app/analysis/test_calibration.
 
 from __future__ import annotations
 
+from statistics import NormalDist
+
 import numpy as np
-from scipy.special import ndtri
 
 
 def ar_mean_var(m: int, phi: float) -> float:
@@ -35,6 +36,10 @@ def ar_mean_var(m: int, phi: float) -> float:
         return 1.0 / m
     d = np.arange(1, m)
     return float((m + 2 * np.sum((m - d) * phi**d)) / m**2)
+
+
+# the standard library's (no scipy: the read side runs in .venv-trl11, which has no app extra)
+_NORMAL = NormalDist()
 
 
 def span(m: int, phi: float) -> float:
@@ -51,9 +56,9 @@ def _level(p: float, blocks: float) -> float:
     about u^2 times as often as `blocks` independent values would (Pickands' constant for a linear
     fall is 1): 2 blocks u^2 (1 - Phi(u)) = p, solved by a few fixed-point steps."""
     blocks = max(blocks, 1.0)
-    u = float(-ndtri(p / (2 * blocks)))
+    u = -_NORMAL.inv_cdf(p / (2 * blocks))
     for _ in range(6):
-        u = float(-ndtri(p / (2 * blocks * max(u * u, 1.0))))
+        u = -_NORMAL.inv_cdf(p / (2 * blocks * max(u * u, 1.0)))
     return u
 
 

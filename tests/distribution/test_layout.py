@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 import tomllib
 from collections import defaultdict
@@ -149,3 +150,16 @@ def test_write_side_and_experiments_never_import_the_read_side(folder):
     bad = [f"{p.relative_to(REPO)}:{line}: {mod}" for p in (REPO / folder).rglob("*.py")
            for line, mod in imports(p) if mod.startswith("rldiag.app")]
     assert not bad, f"{folder}/ must not import rldiag.app:\n" + "\n".join(bad)
+
+
+def test_the_watcher_and_the_detector_import_without_scipy():
+    """.venv-trl11 installs rldiag with [hf,dev] only (a user's training env): its TRL test runs the watcher
+    there, and CI failed once on a module-level `from scipy...` in the detector's calibration. scipy is
+    blocked in a fresh interpreter; the read side's detector path must import and compute without it."""
+    code = ("import sys; sys.modules['scipy'] = None\n"
+            "import rldiag.app.watch.loop, rldiag.app.analysis.divergence\n"
+            "from rldiag.app.analysis import calibration\n"
+            "print(round(calibration.z_alpha(0.001, 100.0), 3))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 4.0 < float(out.stdout) < 6.0, out.stdout
