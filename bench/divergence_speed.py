@@ -1,6 +1,7 @@
 """Divergence speed at the dashboard's size: `compare_runs` for 9 candidates x 8 metrics of 100k steps.
 
     python -m bench.divergence_speed           # quick (also --quick): 3 references, 3 candidates x 2 metrics
+                                               # (writes bench/results/divergence_speed_quick.json)
     python -m bench.divergence_speed --full --repeats 2   # 9 candidates x 8 metrics, 1 and 3 references
 
 The runs are in memory (no store: this times the detection, not the reading): per metric an AR(1)
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{r['before_seconds'] / r['seconds']:.1f}x faster, {verdicts_said(r, args.before)}" if before else "-"
         summary.append(summary_row(f"divergence, {size}, {name} (cold)", f"{r['seconds']:.2f} s", alt, ratio,
                                    "-", None))
-    write_result("divergence_speed", {"env": env_info(), "quick": not args.full, "n_steps": N_STEPS,
+    # the quick default writes its own file: the table's row (divergence_speed.json) is the --full run's
+    write_result("divergence_speed" if args.full else "divergence_speed_quick", {"env": env_info(), "quick": not args.full, "n_steps": N_STEPS,
                                       "before": args.before, "cases": res, "summary": summary})
     return 0
 

@@ -26,11 +26,14 @@ BENCHMARKS = ("write_latency", "throughput", "overhead", "outage", "log_stall", 
               "team_load", "logits_memory", "entropy_cache", "cli_help")
 # rows of results `run_all` does not produce itself (a longer run of a benchmark, by its own command)
 TABLE = (*BENCHMARKS[:3], "overhead_d1024", *BENCHMARKS[3:8], "divergence_quality_long", "divergence_quality_zeros",
-         "divergence_quality_zeros_often", *BENCHMARKS[8:])
+         "divergence_quality_zeros_often", *BENCHMARKS[8:], "import_runs")
 # overhead_d1024: python -m bench.overhead --d-model 1024 --blocks 6 --block-steps 4;
 # divergence_quality_long: python -m bench.divergence_quality --long-steps 100000 --held-out 0 --per-kind 1;
 # divergence_quality_zeros: python -m bench.divergence_quality --zeros
 # divergence_quality_zeros_often: python -m bench.divergence_quality --zeros often
+# divergence_speed: python -m bench.divergence_speed --full --repeats 2 (run_all's quick default writes
+#   divergence_speed_quick.json, not this row)
+# import_runs: python -m bench.import_runs (10 runs x 50 scalars x 10k steps, about 35 min)
 COLUMNS = ("benchmark", "rldiag", "alternative", "ratio", "goal", "met?")
 
 
