@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 from streamlit.testing.v1 import AppTest
 
-from rldiag.app.dashboard.chart_grid import COMPONENT
+from rldiag.app.dashboard.chart_grid import COMPONENT, sent
 
 
 def _dashboard(start: str | None) -> None:
@@ -40,7 +40,7 @@ def array(v) -> np.ndarray:
 def chart_specs(at: AppTest) -> list[dict]:
     """The plotly figures the page sends the browser, in order: the chart grid component's
     (rldiag.app.dashboard.chart_grid) and any `st.plotly_chart`'s."""
-    specs = [json.loads(json.loads(el.proto.json)["figure"]) for el in at.get("bidi_component")
+    specs = [sent(el.proto)["figure"] for el in at.get("bidi_component")
              if el.proto.component_name == COMPONENT]
     return specs + [json.loads(el.proto.spec) for el in at.get("plotly_chart")]
 

@@ -1,4 +1,4 @@
-// rldiag's chart grid (app/dashboard/chart_grid.py): `data.figure`, the plotly JSON of the Compare
+// rldiag's chart grid (app/dashboard/chart_grid.py): `data` (chart_grid.payload), the plotly JSON of the Compare
 // page's panels (app/dashboard/grid_figure.py), drawn by window.Plotly, which the plotly.js bundle this
 // file is appended to defines. Streamlit calls this again with new data on every rerun: Plotly.react
 // updates the figure in place. Run names reach plotly already escaped (app.figures._text): plotly.js
@@ -22,11 +22,12 @@ export default function ({ data, parentElement }) {
   }
   // Timed for bench/dashboard_load.py: parsing the figure, then plotly.js drawing it.
   const start = performance.now();
-  const figure = JSON.parse(data.figure);
+  // chart_grid.payload: UTF-8 JSON bytes {config, figure} (a Uint8Array here), parsed once
+  const { config, figure } = JSON.parse(new TextDecoder().decode(data));
   const parsed = performance.now();
   // what grid_figure.py laid out, for fitLegend to grow from and shrink back to
   chart.rldiagTop = { top: figure.layout.margin.t, height: figure.layout.height };
-  Plotly.react(chart, figure.data, figure.layout, data.config).then(() => {
+  Plotly.react(chart, figure.data, figure.layout, config).then(() => {
     performance.mark("rldiag.chart_grid.start", { startTime: start });
     performance.measure("rldiag.chart_grid.parse", { start, end: parsed });
     performance.measure("rldiag.chart_grid.draw", { start: parsed, end: performance.now() });
