@@ -15,9 +15,9 @@ The test (`rldiag.app.analysis.detector`, whose docstring says why each piece is
   references log as exactly 0 at more than 10% of steps, how often it is 0 (`kind="zero_rate"`: its
   other values are compared as above, the zeros left out).
 The scan is causal: `alert_step` is the step a watcher polling every step reports the departure at;
-`onset_step` is placed after the fact (a CUSUM split). Considered: `ruptures` (offline change-point
-segmentation): it finds where one series changes, not where one leaves another's noise, and needs a
-penalty per metric scale.
+`onset_step` is placed after the fact (a CUSUM split, then the first point out of the band from it:
+`detector._first_out`). Considered: `ruptures` (offline change-point segmentation): it finds where one
+series changes, not where one leaves another's noise, and needs a penalty per metric scale.
 
 A candidate without a departure on fewer compared steps than `DivergenceConfig.min_steps` is "not
 enough steps" (`Divergence.status`), never "within". `summarize` says per candidate what the
@@ -494,7 +494,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                 ref_level = float(np.nanmedian(center_m[seg]))
                 c_level, delta = float(np.nanmedian(level_cand[seg])), float(np.nanmedian(gap[seg]))
                 dsig = float(np.nanmedian(r[seg]) / sigma) if sigma > 0 else float("inf") * np.sign(delta)
-        deps.append(Departure(s.kind, int(steps[s.onset]), int(steps[min(s.alert, len(steps) - 1)]), end,
+        deps.append(Departure(s.kind, int(steps[s.start]), int(steps[min(s.alert, len(steps) - 1)]), end,
                               c_level, ref_level, delta, dsig))
     # the smallest lasting shift a test that fills at this length flags, against where the candidate sits
     # (a 60-step candidate never fills the 129-step window, so its bar would understate what is missed)

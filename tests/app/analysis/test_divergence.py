@@ -50,15 +50,18 @@ def test_step_change_fires_within_a_few_steps():
     # Three noise sd against a single reference: one run cannot say how far seeds drift apart, so the
     # detector assumes a prior spread; where the shift is under what it can see, "within" says so with
     # the smallest shift it would flag (never a bare all-clear).
+    late = []
     for seed in range(20):
         c = seed_run(1000 * seed + 999, wander=0.0)
         c[ONSET:] -= 3.0
         d = detect_divergence(trace(seed_run(1000 * seed, wander=0.0)), trace(c))
-        if d.diverged:
-            assert d.delta < 0 and ONSET - 5 <= d.onset_step <= ONSET + 5
+        if d.diverged:  # the onset is the first point out of a band ~2.9 sd wide: up to 8 steps late here
+            assert d.delta < 0 and ONSET - 5 <= d.onset_step <= ONSET + 10
+            late.append(d.onset_step - ONSET)
         else:
             assert d.status == "within" and d.detectable > 3.0, d
             assert d.evidence == f"within the band (a lasting shift under {d.detectable:.3g} would not show)"
+    assert late and 0 <= np.median(late) <= 2, late
 
 
 def test_slow_drift_fires_after_it_starts():
