@@ -22,7 +22,9 @@ Figures per run length and kind: false alarms (no-change kinds: any departure, p
 early (a changed candidate's first alert before the change); misses; median time to alert measured
 online (the candidate cut after each step from the change on, as a watcher polling every step sees it;
 more than 64 prefixes apart: bisection, as the scan is causal); onset error (the full run's first
-departure's onset minus the change's step; median, and how many are more than 10 steps early).
+departure's onset minus the change's step; median, how many are more than 10 steps early, the worst
+early and how many before the first point out of the band: bench._onsets; a drift, which has no sharp
+start, is also scored from where it alone reaches the band's edge, and left out of the pooled figures).
 
 Seeds: tuning on 0, 1, 2, ... (per run length); the held-out split is HELD_OUT_SEEDS, frozen: no detector
 option may be chosen on it, and it is scored once per detector change (`--held-out`).
@@ -36,6 +38,7 @@ import time
 import numpy as np
 from scipy.signal import lfilter
 
+from bench import _onsets
 from bench._common import env_info, summary_row, write_result
 from rldiag.app.analysis.divergence import DivergenceConfig, detect_divergence
 from rldiag.app.data.trace import Trace
@@ -175,7 +178,7 @@ def evaluate(lengths: dict[int, int], config: DivergenceConfig, seeds_from: int 
         seeds = list(seeds_from)[:count] if isinstance(seeds_from, range) else range(seeds_from, seeds_from + count)
         row: dict[str, dict] = {}
         for kind in KINDS:
-            fired, early, missed, delays, errors, which = 0, 0, 0, [], [], []
+            fired, early, missed, delays, onsets, which = 0, 0, 0, [], [], []
             for seed in seeds:
                 refs, cand, at, info = scenario(seed, kind, n)
                 d = detect_divergence(refs, cand, config)
@@ -190,8 +193,10 @@ def evaluate(lengths: dict[int, int], config: DivergenceConfig, seeds_from: int 
                     continue
                 a = online_alert(refs, cand, at, d.alert_step, config)
                 delays.append(None if a is None else a - at)
-                errors.append(int(d.onset_step - at))
+                base = scenario(seed, "none", n)[1].values if kind == "drift" else None
+                onsets.append(_onsets.score(refs, cand, at, d, config, kind, base))
             got = [x for x in delays if x is not None]
+            errors = [o["error"] for o in onsets]
             r = {"n": len(seeds), "fired": fired}
             if kind in NO_CHANGE:
                 r["false_alarms"] = fired
@@ -199,7 +204,8 @@ def evaluate(lengths: dict[int, int], config: DivergenceConfig, seeds_from: int 
                 r |= {"early": early, "missed": missed,
                       "median_time_to_alert": float(np.median(got)) if got else None,
                       "median_onset_error": float(np.median(errors)) if errors else None,
-                      "onset_over_10_early": sum(e < -10 for e in errors),
+                      "onset_over_10_early": sum(e < -10 for e in errors), "onset": _onsets.summarise(onsets),
+                      "onsets_before_first_out": sum(o["before_out"] is True for o in onsets),
                       "onset_errors": errors, "delays": got}
             r["which"] = which
             row[kind] = r
@@ -209,13 +215,13 @@ def evaluate(lengths: dict[int, int], config: DivergenceConfig, seeds_from: int 
 
 def _print(res: dict) -> None:
     print(f"{'length':>7} {'kind':9} {'n':>3} {'false/early':>11} {'missed':>6} {'alert med':>9} "
-          f"{'onset err med':>13} {'onset >10 early':>15}")
+          f"{'onset err med':>13} {'onset >10 early':>15}  onset med / worst early / >10 early / before first out")
     for n, row in res.items():
         for kind, r in row.items():
             fe = r.get("false_alarms", r.get("early"))
             print(f"{n:>7} {kind:9} {r['n']:>3} {fe:>11} {r.get('missed', '-')!s:>6} "
                   f"{r.get('median_time_to_alert', '-')!s:>9} {r.get('median_onset_error', '-')!s:>13} "
-                  f"{r.get('onset_over_10_early', '-')!s:>15}")
+                  f"{r.get('onset_over_10_early', '-')!s:>15}  {_onsets.cell(r.get('onset'))}")
         for kind, r in row.items():
             for w in r["which"]:
                 what = "false alarm" if kind in NO_CHANGE else "early alert"
@@ -234,7 +240,10 @@ def totals(res: dict) -> dict:
             "changed": sum(r["n"] for k, r in rows if k in CHANGED),
             "median_time_to_alert_3sd_up": float(np.median(delays)) if delays else None,
             "median_onset_error_no_drift": float(np.median(errors)) if errors else None,
-            "onset_over_10_early": sum(r.get("onset_over_10_early", 0) for _, r in rows)}
+            "onset_over_10_early": sum(e < -10 for e in errors),  # drift left out: bench._onsets
+            "worst_onset_early": min(errors, default=None),
+            "onsets_before_first_out": sum(r.get("onsets_before_first_out", 0) for k, r in rows if k != "drift"),
+            "onsets_scored": len(errors)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +271,15 @@ def main(argv: list[str] | None = None) -> int:
         f"divergence by run length (1k/10k/100k steps, {split}{', quick' if args.quick else ''}): false alarms, "
         "early alerts, misses", f"{tot['false']} false of {tot['no_change']}, {tot['early']} early and "
         f"{tot['missed']} missed of {tot['changed']}", "-", "-", "0 false, 0 early, 0 missed",
-        tot["false"] + tot["early"] + tot["missed"] == 0)]
+        tot["false"] + tot["early"] + tot["missed"] == 0),
+        summary_row(f"divergence by run length ({split}{', quick' if args.quick else ''}): onset error (onset - "
+                    "change step), changed kinds but drift",
+                    f"median {tot['median_onset_error_no_drift']}, worst {tot['worst_onset_early']}, "
+                    f"{tot['onset_over_10_early']} > 10 steps early, {tot['onsets_before_first_out']} before the first "
+                    f"point out, of {tot['onsets_scored']}", "-", "-",
+                    "median <= 2, none > 10 early or before the first point out",
+                    tot["median_onset_error_no_drift"] is not None and tot["median_onset_error_no_drift"] <= 2
+                    and tot["onset_over_10_early"] + tot["onsets_before_first_out"] == 0)]
     name = ("divergence_length_options" if args.detector else
             "divergence_length" + ("_held_out" if args.held_out else "") + ("_quick" if args.quick else ""))
     write_result(name, {"env": env_info(), "quick": args.quick, "held_out": args.held_out, "lengths": lengths,

@@ -20,7 +20,10 @@ as max-float, a shift from step 0. Figures per kind:
 - time to alert, measured online: the candidate is cut after each step from the change on and
   detection run on that prefix, as a watcher polling every step would; the delay is the last step of
   the first prefix that reports a departure, minus the change's first step;
-- onset error: the onset the full run's detection reports, minus the true one.
+- onset error: the onset the full run's detection reports, minus the true one ("onset err", from the
+  change's first step); and per kind, the issue 43 figures (bench._onsets): median, worst early, how
+  many > 10 steps early, how many before the first point out of the band; a drift (no sharp start) is
+  also scored from where it alone reaches the band's edge, and left out of the pooled row.
 The baseline is a dashboard threshold alert: the first step where the candidate is more than 3 (or 5)
 sd from the references' mean, sd the references' point noise (first differences / sqrt 2).
 """
@@ -33,6 +36,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from bench import _onsets
 from bench._common import env_info, summary_row, write_result
 from bench.divergence_rl import CHANGES, MUST_DETECT, NO_CHANGE, Scenario, make_set, scenario
 from rldiag.app.analysis.detector import finite_values
@@ -85,6 +89,7 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
         res = {"rldiag": [], "threshold-3sd": [], "threshold-5sd": []}
         said: list[bool] = []
         which: list[dict] = []  # no-change kinds: the draws that fired, and on what
+        onsets: list[dict] = []  # changed kinds alerted at or after the change: bench._onsets.score
         for s in make_set(per_kind, (change,), first_seed, zeros):
             d = detect_divergence(list(s.references), s.candidate, config)
             if change in NO_CHANGE and d.diverged:
@@ -96,6 +101,9 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
             if d.diverged and s.onset is not None and first_alert is not None and first_alert >= s.onset:
                 first_alert = online_alert(s, config, first_alert)
             res["rldiag"].append((first_alert if d.diverged else None, d.onset_step, s))
+            if d.diverged and s.onset is not None and d.alert_step is not None and d.alert_step >= s.onset:
+                base = scenario(s.seed, "none", zeros=zeros).candidate.values if change == "drift" else None
+                onsets.append(_onsets.score(list(s.references), s.candidate, s.onset, d, config, change, base))
             if change in LEVEL_SHIFTS and d.status == "within":  # a miss: did the verdict's size cover the shift?
                 said.append(d.detectable >= _shift(s, zeros))
             for k, name in ((3.0, "threshold-3sd"), (5.0, "threshold-5sd")):
@@ -120,6 +128,10 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
                         "p90_time_to_alert": float(np.percentile(delays, 90)) if delays else None,
                         "median_onset_error": float(np.median(onset_err)) if onset_err else None,
                         "delays": delays}
+        if change not in NO_CHANGE:
+            out["rldiag"]["onset"] = _onsets.summarise(onsets)
+            out["rldiag"]["onset_errors"] = [o["error"] for o in onsets]
+            out["rldiag"]["onsets_before_first_out"] = sum(o["before_out"] is True for o in onsets)
         if change in LEVEL_SHIFTS:
             out["rldiag"]["missed_said"] = sum(said)  # misses whose "a lasting shift under X" held X >= the shift
         rows[change] = out
@@ -128,13 +140,13 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
 
 def _print(res: dict) -> None:
     print(f"{'change':10} {'detector':14} {'fired':>5} {'false/early':>11} {'missed':>6} {'alert median':>12} "
-          f"{'p90':>5} {'onset err':>9}")
+          f"{'p90':>5} {'onset err':>9}  onset err med / worst early / >10 early / before first out")
     for change, row in res.items():
         for det, r in row.items():
             fe = r.get("false_alarms", r.get("early_alarms"))
             print(f"{change:10} {det:14} {r['fired']:>5} {fe:>11} {r.get('missed', '-')!s:>6} "
                   f"{r.get('median_time_to_alert', '-')!s:>12} {r.get('p90_time_to_alert', '-')!s:>5} "
-                  f"{r.get('median_onset_error', '-')!s:>9}")
+                  f"{r.get('median_onset_error', '-')!s:>9}  {_onsets.cell(r.get('onset'))}")
 
 
 def _by_phi(found: list) -> dict:
@@ -192,6 +204,20 @@ def _said_row(res: dict, label: str) -> dict:
             total, said = total + r["missed"], said + r["missed_said"]
     return summary_row(f"divergence, {label}: missed level shifts whose verdict says a shift that size would not show",
                        ", ".join(parts) or "no miss", "-", "-", "every miss", said == total)
+
+
+def _onset_row(res: dict, label: str) -> dict:
+    """Summary row: onset error pooled over the changed kinds but drift (no sharp start: bench._onsets), its
+    worst early, how many > 10 steps early and how many before the first point out of the band."""
+    errors = [e for c, r in res.items() if c != "drift" for e in r["rldiag"].get("onset_errors", [])]
+    before = sum(r["rldiag"].get("onsets_before_first_out", 0) for c, r in res.items() if c != "drift")
+    med = float(np.median(errors)) if errors else None
+    early = sum(e < -10 for e in errors)
+    return summary_row(f"divergence, {label}: onset error (onset - change step), changed kinds but drift",
+                       f"median {med}, worst {min(errors, default=None)}, "
+                       f"{early} > 10 steps early, {before} before the first point out, of {len(errors)}", "-", "-",
+                       "median <= 2, none > 10 early or before the first point out",
+                       med is not None and med <= 2 and early == 0 and before == 0)
 
 
 def _print_fired(res: dict) -> None:
@@ -301,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                         "-", "median <= 5 steps", med is not None and med <= 5),
         ]
         summary.append(_said_row(res, f"seeds 0-{per_kind - 1}"))
+        summary.append(_onset_row(res, f"seeds 0-{per_kind - 1}"))
         if zeros is True:
             summary.append(_zeros_row(res, f"seeds 0-{per_kind - 1}"))
     if held:
@@ -312,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{held * (len(CHANGES) - len(NO_CHANGE))}; misses " + ", ".join(f"{c} {v}" for c, v in h_missed.items() if v)
             + f"; median {h_med} steps", "-", "-", "0 false, 0 early", h_false + h_early == 0))
         summary.append(_said_row(held_res, f"held-out seeds from {args.held_out_from}"))
+        summary.append(_onset_row(held_res, f"held-out seeds from {args.held_out_from}"))
         if zeros is True:
             summary.append(_zeros_row(held_res, f"held-out seeds from {args.held_out_from}"))
     if zeros:  # its rows beside the default run's in README's table
