@@ -25,7 +25,9 @@ beside them. The first load must show its progress bar (runs and points read) be
 seconds until it shows are reported. Each load's timeline is printed:
 seconds to the websocket connected, the script run started and finished (as the page shows them) and
 every chart drawn, with the chart component's own marks (app/dashboard/static/chart_grid.js): when it
-got its figure, and the seconds plotly.js took to parse and to draw it. Then every injected NaN and
+got its figure, and the seconds plotly.js took to parse and to draw it; and the CPU seconds the load
+took in the page's renderer (its main thread and all of it, from Chromium's Performance metrics) and in
+the server's process group: a busy machine stretches the seconds, much less the CPU. Then every injected NaN and
 spike is checked in the drawn data, after the cold and after the warm loads. `--quick` (20k steps) writes
 its result beside the full one (dashboard_load_quick.json), not over it.
 """
@@ -154,7 +156,7 @@ def server_loads(uri: str, log: Path, cache_dir: Path, runs: list[str], n_charts
     try:
         with chromium() as browser:
             return start, [load_page(browser, url, runs, n_charts, timeout_s=1800 if first and i == 0 else 300,
-                                     progress=first and i == 0) for i in range(n)]
+                                     progress=first and i == 0, server_group=proc.pid) for i in range(n)]
     finally:
         stop_group(proc, timeout=30)
 
@@ -175,15 +177,40 @@ def settle(cache_dir: Path, timeout_s: float = 300) -> int:
     raise RuntimeError(f"the disk cache in {cache_dir} did not settle in {timeout_s} s")
 
 
-def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float, progress: bool = False
-              ) -> tuple[float, dict, list[dict]]:
+def group_cpu_s(group: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group `group` (Linux /proc)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[2]) == group:  # after the name: state, ppid, pgrp, ..., utime (12th), stime (13th)
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float, progress: bool = False,
+              server_group: int | None = None) -> tuple[float, dict, list[dict]]:
     """Seconds from navigation until `n_charts` panels hold every run's line; the load's timeline
     (seconds: connected, script_started, script_done, drawn; with `progress`, when the progress bar
-    first showed and its last text seen); and what the charts drew."""
+    first showed and its last text seen); and what the charts drew. The timeline also holds the CPU
+    seconds the load took: the page's renderer (Chromium's ThreadTime, its main thread, and ProcessTime)
+    and the server (`server_group`, its process group); CPU is what a busy machine shares, so these
+    move less with other work than the seconds do."""
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
     page.add_init_script(MARKS_JS)
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Performance.enable")
+
+    def cpu() -> dict[str, float]:
+        metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+        out = {k: metrics[m] for k, m in (("renderer_main", "ThreadTime"), ("renderer", "ProcessTime")) if m in metrics}
+        return {**out, "server": group_cpu_s(server_group)} if server_group else out
+
     bar: dict = {}
     try:
+        cpu0 = cpu()
         t0 = time.perf_counter()
         page.goto(url + "compare")
         while True:
@@ -197,7 +224,9 @@ def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: floa
                 charts_in = page.evaluate(FIRST_DONE_JS)
             if charts_in:
                 took = time.perf_counter() - t0
+                cpu1 = cpu()
                 marks = {k: round(v / 1000, 2) for k, v in page.evaluate("window.__rldiagMarks").items()}
+                marks.update({f"{k}_cpu_s": round(cpu1[k] - cpu0[k], 2) for k in cpu0 if k in cpu1})
                 marks.update({k: round(v / 1000, 2) for k, v in page.evaluate(CHART_MARKS_JS).items()})
                 # what was drawn, read once, after the clock stopped
                 return took, {**marks, **bar, "drawn": round(took, 2)}, page.evaluate(DRAWN_JS)
@@ -224,6 +253,9 @@ def check_visible(charts: list[dict], plan: dict[str, dict]) -> dict[str, list]:
     return {"missing_nan": missing_nan, "missing_spike": missing_spike}
 
 
+CPU_KEYS = ("renderer_main_cpu_s", "renderer_cpu_s", "server_cpu_s")  # load_page's CPU seconds a load
+
+
 def load_average() -> float:
     """The machine's 1-minute load average (other work sharing its cores)."""
     return round(os.getloadavg()[0], 2)
@@ -247,6 +279,8 @@ def timed_session(uri: str, log: Path, cache_dir: Path, plan: dict[str, dict], n
     return {"load_average_before": load_before, "server_start_s": start, "cold_s": cold, "cold_timeline_s": cold_marks,
             "warm_s": [t for t, _, _ in rest], "warm_timelines_s": [m for _, m, _ in rest],
             "warm_median_s": statistics.median(t for t, _, _ in rest),
+            "warm_cpu_median_s": {k: round(statistics.median(m[k] for _, m, _ in rest), 2) for k in CPU_KEYS
+                                  if all(k in m for _, m, _ in rest)},
             "drawn_points": sum(len(t["x"]) for c in rest[-1][2] for t in c["traces"]), "charts": len(rest[-1][2]),
             "all_visible": not any(visible.values()) and not any(visible_cold.values()),
             "missing_cold": visible_cold, **visible}
@@ -298,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
         cold, median = r["cold_s"], r["warm_median_s"]
         print(f"cold page load{name} {cold:.2f} s (goal <= {GOAL_COLD_S} s): {'met' if cold <= GOAL_COLD_S else 'NOT met'}; "
               f"warm median {median:.2f} s (goal <= {GOAL_WARM_S} s): {'met' if median <= GOAL_WARM_S else 'NOT met'}"
-              f" (load average {r['load_average_before']} before)")
+              f" (load average {r['load_average_before']} before); CPU a warm load (median): {r['warm_cpu_median_s']}")
         rows += [
             summary_row(f"dashboard cold start{name}: a new server process, first page load, from the disk cache",
                         f"{cold:.2f} s", f"{first:.1f} s (no cache: reads the store)", f"{first / cold:.1f}x faster",
