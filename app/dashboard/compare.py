@@ -47,9 +47,9 @@ from rldiag.app.report.content import (
 from rldiag.collectors import keys
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
-# Line points per run and chart (300 buckets, each its min and max: every spike and dip is kept), and per band
-# trace: a half-width panel is about 520 px wide, so a bucket is under 2 px. 1200 drew 355k points for 10 runs
-# x 8 metrics with 9 candidates' bands; 600 halves that and plotly.js's drawing (bench.dashboard_load).
+# Line points per run and chart (300 buckets, each its min and max: every spike and dip is kept); a band trace
+# takes half as many (app/plots/marks.py). A half-width panel is about 520 px wide: a bucket is under 2 px.
+# 1200 drew 355k points for 10 runs x 8 metrics with 9 candidates' bands, 600 draws 113k (bench.dashboard_load).
 CHART_POINTS = 600
 
 
