@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rldiag.app.analysis.detector import ar_mean_var, partial_sd
+from rldiag.app.analysis.detector import _trailing_median, ar_mean_var, partial_sd
 from rldiag.app.analysis.divergence import detect_divergence
 from rldiag.app.data.trace import Trace
 from tests.helpers.divergence import length_scenario as scenario
@@ -49,3 +49,25 @@ def test_a_shift_from_the_first_step_is_still_found_at_once():
         delays.append(d.alert_step)
         onsets.append(d.onset_step)
     assert len(delays) >= 6 and np.median(delays) <= 6 and np.median(onsets) <= 1, (delays, onsets)
+
+
+def test_a_window_with_an_even_count_takes_its_middle_point_nearer_0():
+    x = np.r_[0.1, -0.2, 6.0, 7.0, 5.0, 0.3, np.zeros(20)]  # a 3-step burst among a run's first 6 points
+    med = _trailing_median(x, 11)
+    assert np.isnan(med[4]) and med[5] == pytest.approx(0.3)  # the mean of the middle points: 2.65
+    assert med[6] == pytest.approx(np.median(x[:7]))  # an odd count: the median
+    shifted = np.r_[4.1, 3.8, 4.4, 3.9, 4.2, 4.0, np.full(20, 4.0)]  # a shift moves both middle points
+    assert _trailing_median(shifted, 11)[5] == pytest.approx(4.0)
+    assert _trailing_median(-shifted, 11)[5] == pytest.approx(-4.0)
+    assert _trailing_median(np.r_[-1.0, 2.0, -1.0, 2.0, -0.5, 0.5], 11)[5] == 0.0  # they straddle 0
+
+
+@pytest.mark.parametrize("n, seed", [(1000, 90), (1000, 197), (10000, 21)])
+def test_a_warm_up_burst_the_references_never_showed_is_no_departure(n, seed):
+    # bench.divergence_length `warmup` (tuning seeds), 2-4 references none of which has a burst in its first
+    # 6 points: the half-full window's mean of its middle points (one of them the burst's) read 7.6-8.5 sd at
+    # step 5; the middle point nearer 0 is a clean one
+    refs, cand, _, info = scenario(seed, "warmup", n)
+    assert info["n_refs"] >= 2
+    d = detect_divergence(refs, cand)
+    assert not (d.diverged and d.alert_step < 20), d.departures
