@@ -2,7 +2,7 @@
 bench.divergence_length.
 
 Per changed candidate whose first alert came at or after the change: the error is the reported onset
-minus the change's first step. The band is the detector's for onsets (`detector._first_out`): the
+minus the change's first step. The band is the detector's for onsets (`onsets.first_out`): the
 narrowest of the level windows' bands (`compute_band` per window) where the window is full, around the
 references' centre. "Before the first point out": the candidate's own point at the first departure's
 onset is inside that band (level departures only: no band is drawn for variance or non-finite ones).

@@ -53,7 +53,7 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact: a CUSUM split before the alert, then the first
-  point from it out of the band (`_first_out`, which defines the band), so it is never before the first
+  point from it out of the band (`first_out`, which defines the band), so it is never before the first
   point out; a drift has no sharp start, and its onset is where it and the noise first pass the band.
 """
 
@@ -69,6 +69,7 @@ import numpy as np
 import pandas as pd
 
 from rldiag.app.analysis.calibration import Calibration, ar_mean_var
+from rldiag.app.analysis.onsets import VAR_ONSET_GAP, Stretch, cusum_onset, first_out, variance_onset
 from rldiag.app.analysis.rolling_median import rolling_median, row_nanmedian
 from rldiag.app.data.trace import Trace
 
@@ -768,85 +769,6 @@ def spacing(pos: np.ndarray) -> int:
     return max(1, round(float(np.median(np.diff(pos))))) if len(pos) > 2 else 1
 
 
-@dataclass(frozen=True)
-class Stretch:
-    """One stretch where the candidate is outside the references' noise (indices into the compared steps)."""
-
-    kind: str  # "level", "variance" or "nonfinite"
-    onset: int  # index (into the compared steps) where it starts, placed after the fact (the CUSUM split)
-    alert: int  # index at which a causal scan first reports it (a watcher polling every step)
-    end: int | None  # last index of it; None while it lasts to the candidate's end
-    sign: int  # +1 above, -1 below (0 for variance / nonfinite)
-    window: int  # the trailing window that reported it
-    shown: int | None = None  # the onset reported: the first point out of the band from `onset` (`_first_out`)
-
-    @property
-    def start(self) -> int:
-        """The index a departure is reported to start at: `shown` where the band says, else `onset`."""
-        return self.onset if self.shown is None else self.shown
-
-
-def _cusum_onset(r: np.ndarray, alert: int, level: float, lookback: int) -> int:
-    """Where the stretch ending at `alert` starts: the split maximising the CUSUM of (r - level/2). The
-    detector's own rules (`_not_back`, `_came_back`, a level stretch inside a noisier one) measure the
-    stretch from here; the onset reported is `_first_out` from here."""
-    lo = max(0, alert - lookback)
-    seg = r[lo:alert + 1] * np.sign(level)
-    ok = np.isfinite(seg)
-    if ok.sum() < 2:
-        return alert
-    x = np.clip(np.where(ok, seg, 0.0) - abs(level) / 2, -abs(level), abs(level))
-    x[~ok] = 0.0
-    tail = np.cumsum(x[::-1])[::-1]  # tail[s] = sum of x[s:]
-    return lo + int(np.argmax(tail))
-
-
-def _first_out(x: np.ndarray, split: int, alert: int, edge: float, gap: int) -> int:
-    """The reported onset: the first point from `split` to `alert` whose `x` is beyond the band's `edge`
-    (its half-width) that is not followed by `gap` or more points inside before the next one out (such a
-    run ends the evidence: what came before it was noise); with no point out, `alert`. So the onset is
-    never before the first point out of the band. The split alone put 5 of 31 changed candidates 1 to 35
-    steps before the change (bench.divergence_quality), where the seeds' wander, a burst or a spike
-    before it kept the sum rising. The band, per kind:
-    - level: x = the residual (compared scale, as the level test reads it) times the stretch's sign;
-      edge = the narrowest of the level windows' bands once full, bar x null sd (the longest window's,
-      as a rule: the band `compute_band` draws by default), without the min_delta / rel_delta floor.
-      The reporting window's own band (4.7 sd for the 11-point window with one reference) held most
-      points of a 3-sd shift inside and put its onset up to 17 steps late. gap: the shortest window
-      (`windows[0]` points inside in a row: its median is back inside);
-    - variance: x = the step-to-step change |x_t - x_(t-1)|; edge = `var_bar` x the references' robust
-      scale of their changes (the variance test's bar, on one change); gap: VAR_ONSET_GAP.
-    A drift has no sharp start: its first point out is where it has carried the candidate to the band's
-    edge (0.03 sd/step reaches a 2-3 sd band 60-100 steps on), and that is where its onset is placed."""
-    with quiet():
-        out = np.flatnonzero(x[split:alert + 1] > edge)
-    if not len(out):
-        return alert
-    breaks = np.flatnonzero(np.diff(out) > gap)  # `gap` points or more inside between two out
-    return split + int(out[breaks[-1] + 1] if len(breaks) else out[0])
-
-
-# Step-to-step changes in a row inside the variance band that end the evidence before them (`_first_out`).
-# bench.divergence_quality, seeds 0-39: with 11 (the shortest window) or 16 (half the variance window), a
-# spike 10 steps before a variance change (two changes far beyond the bar) set 2 of 40 onsets 11-13 steps
-# early; with 8 none is, and 3 of 40 are > 10 steps late: a noisier stretch can hold 8 quiet changes in a
-# row (tests/app/analysis/test_divergence_rl.py, seed 7: 13 in a row, its onset 35 steps late).
-VAR_ONSET_GAP = 8
-
-
-def _variance_onset(abs_diff: np.ndarray, alert: int, ref_scale: float, ratio: float, lookback: int) -> int:
-    """Where a noisier stretch ending at `alert` starts: the split maximising the tail sum of each step's
-    log-likelihood ratio of "step-to-step changes `ratio` times the references'" against "as the
-    references'" (normal changes; each change capped at 3 reference sd, so a spike or burst before the
-    onset cannot pull it back). A count of changes over a fixed cut placed one onset 35 steps late where
-    the first 30 noisy steps happened to hold few large changes. The onset reported is `_first_out` from it."""
-    lo = max(0, alert - lookback)
-    u2 = np.minimum((abs_diff[lo:alert + 1] / ref_scale) ** 2, 9.0)
-    x = np.where(np.isfinite(u2), 0.5 * u2 * (1 - 1 / ratio**2) - np.log(ratio), 0.0)
-    tail = np.cumsum(x[::-1])[::-1]
-    return lo + int(np.argmax(tail))
-
-
 def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, noise: NoiseModel,
          config, cand_abs_diff: np.ndarray | None = None, zero_ind: np.ndarray | None = None,
          zeros: ZeroRate | None = None, zero_rate: np.ndarray | None = None) -> list[Stretch]:
@@ -886,7 +808,7 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             bar = noise.threshold[list(config.windows).index(end_m)]
             zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
             tests.append((q, zc, change_bar, end_m, q + p, sd))
-    edge = min(th * sd for th, sd in zip(noise.threshold, noise.null_sd))  # `_first_out`'s band
+    edge = min(th * sd for th, sd in zip(noise.threshold, noise.null_sd))  # `first_out`'s band
     out = _stretches(r, tests, level, noise.threshold, config.windows, config.window, "level", edge)
     in_points, n_points = out, len(r)  # the stretches as the level windows index them
 
@@ -918,8 +840,8 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         if len(hits):
             a = int(hits[0])
             ratio = max(noise.var_bar, float(cand_resid_scale[a]) / ref_scale)
-            onset = _variance_onset(cand_abs_diff, a, ref_scale, ratio, 3 * config.var_window)
-            shown = _first_out(cand_abs_diff, onset, a, noise.var_bar * ref_scale, VAR_ONSET_GAP)
+            onset = variance_onset(cand_abs_diff, a, ref_scale, ratio, 3 * config.var_window)
+            shown = first_out(cand_abs_diff, onset, a, noise.var_bar * ref_scale, VAR_ONSET_GAP)
             # over once it is back under the bar for a whole window (the trailing scale flickers at the edge)
             quiet_run = np.concatenate([[0], np.cumsum(~noisy[a:])])
             w = config.var_window
@@ -1001,7 +923,7 @@ def _stretches(r: np.ndarray, tests: list, level: dict[int, np.ndarray], bars: t
     reporting window's level is back under half its bar for as many steps as the window is long. Where
     each test is beyond its bar, and where each (window, sign) is back inside for a whole window, is
     found once for the run, then looked up per stretch (a long noisy run has hundreds of stretches).
-    `edge`: the band's half-width a point must pass for the onset reported (`_first_out`); None: the split."""
+    `edge`: the band's half-width a point must pass for the onset reported (`first_out`); None: the split."""
     n = len(r)
     out: list[Stretch] = []
     with quiet():
@@ -1034,8 +956,8 @@ def _stretches(r: np.ndarray, tests: list, level: dict[int, np.ndarray], bars: t
         sign = int(np.sign(zz[a]))
         wi = list(windows).index(end_m) if end_m in windows else 0
         size = float(zz[a] * sd)  # the stretch's size in the compared scale
-        onset = max(i, _cusum_onset(r, a, size, lookback=4 * m + lookback))
-        shown = None if edge is None else _first_out(r * sign, onset, a, edge, windows[0])
+        onset = max(i, cusum_onset(r, a, size, lookback=4 * m + lookback))
+        shown = None if edge is None else first_out(r * sign, onset, a, edge, windows[0])
         back = first_back(end_m, sign, bars[wi], a)
         if back is not None:
             end = max(back - 1, a)

@@ -16,7 +16,7 @@ The test (`rldiag.app.analysis.detector`, whose docstring says why each piece is
   other values are compared as above, the zeros left out).
 The scan is causal: `alert_step` is the step a watcher polling every step reports the departure at;
 `onset_step` is placed after the fact (a CUSUM split, then the first point out of the band from it:
-`detector._first_out`). Considered: `ruptures` (offline change-point segmentation): it finds where one
+`onsets.first_out`). Considered: `ruptures` (offline change-point segmentation): it finds where one
 series changes, not where one leaves another's noise, and needs a penalty per metric scale.
 
 A candidate without a departure on fewer compared steps than `DivergenceConfig.min_steps` is "not

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy.signal import lfilter
 
-from rldiag.app.analysis.detector import _first_out
 from rldiag.app.analysis.divergence import DivergenceConfig, compute_band, detect_divergence
+from rldiag.app.analysis.onsets import first_out
 from rldiag.app.data.trace import Trace
 
 T, AT = 400, 200
@@ -73,7 +73,7 @@ def test_first_out_skips_points_before_a_run_inside():
     x = np.zeros(40)
     x[[5, 6]] = 3.0  # out, then 11 points inside (the gap): evidence ended
     x[18:] = 3.0
-    assert _first_out(x, 0, 39, 2.0, gap=11) == 18
-    assert _first_out(x, 0, 39, 2.0, gap=12) == 5  # a shorter run inside does not end it
-    assert _first_out(x, 7, 39, 2.0, gap=11) == 18  # never before the split
-    assert _first_out(np.zeros(40), 0, 39, 2.0, gap=11) == 39  # none out: the alert
+    assert first_out(x, 0, 39, 2.0, gap=11) == 18
+    assert first_out(x, 0, 39, 2.0, gap=12) == 5  # a shorter run inside does not end it
+    assert first_out(x, 7, 39, 2.0, gap=11) == 18  # never before the split
+    assert first_out(np.zeros(40), 0, 39, 2.0, gap=11) == 39  # none out: the alert
