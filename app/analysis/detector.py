@@ -60,8 +60,6 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
 from __future__ import annotations
 
 import functools
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,7 +67,15 @@ import numpy as np
 import pandas as pd
 
 from rldiag.app.analysis.calibration import Calibration, ar_mean_var
-from rldiag.app.analysis.onsets import VAR_ONSET_GAP, Stretch, cusum_onset, first_out, variance_onset
+from rldiag.app.analysis.onsets import (
+    VAR_ONSET_GAP,
+    Stretch,
+    cusum_onset,
+    first_out,
+    not_back,
+    quiet,
+    variance_onset,
+)
 from rldiag.app.analysis.rolling_median import rolling_median, row_nanmedian
 from rldiag.app.data.trace import Trace
 
@@ -88,14 +94,6 @@ def median_var(phi: float) -> float:
     more alike neighbours are (simulated: 1.49, 1.27, 1.18, 1.09 at phi 0, 0.3, 0.6, 0.85)."""
     return 1.0 + 0.5 * (1.0 - phi)
 MAX_FLOAT = float(np.finfo(np.float64).max)  # MLflow's stand-in for inf
-
-
-@contextmanager
-def quiet():
-    """numpy warns on all-NaN slices (steps no reference logged); those steps are simply not compared."""
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
 
 
 def finite_values(values: np.ndarray) -> np.ndarray:
@@ -878,7 +876,8 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         back = np.flatnonzero(~cand_bad[s:])
         end = None if not len(back) else s + int(back[0]) - 1
         out.append(Stretch("nonfinite", s, s + need - 1, end, 0, need))
-    return sorted(out, key=lambda d: (d.onset, d.alert))
+    # a level stretch the end rule closed while the candidate stayed out runs on (`not_back`)
+    return not_back(r, sorted(out, key=lambda d: (d.onset, d.alert)))
 
 
 def level_residual(r: np.ndarray, noise: NoiseModel, config) -> np.ndarray:

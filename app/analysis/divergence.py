@@ -53,6 +53,7 @@ from rldiag.app.analysis.detector import (
     transform,
     zero_indicator,
 )
+from rldiag.app.analysis.onsets import came_back
 from rldiag.app.data.trace import Trace
 from rldiag.collectors import keys as K
 
@@ -460,8 +461,8 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     needed = config.min_steps if zeros is None else int(np.ceil(config.min_steps / model.noise.fill))
     with quiet():
         cand_scale = candidate_scale(ct, config.var_window, carry=is_zero)
-        stretches = _not_back(r, scan(r, cand_bad, cand_scale, model.noise, config, abs_diffs(ct, carry=is_zero),
-                                      zero_ind, zeros, zeros.rate[pos] if zeros is not None else None))
+        stretches = scan(r, cand_bad, cand_scale, model.noise, config, abs_diffs(ct, carry=is_zero),
+                         zero_ind, zeros, zeros.rate[pos] if zeros is not None else None)
     deps = []
     center_m = _inverse(model, center_t)
     level_cand = cand if zeros is None else np.where(is_zero, np.nan, cand)  # two-part: the level is the positive values'
@@ -487,7 +488,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                 else:
                     dsig = float(np.nanmedian(r[seg]) / sigma) if sigma > 0 else float("inf") * np.sign(delta)
         end = int(steps[s.end]) if s.end is not None else None
-        if s.kind == "level" and s.end is not None and (back := _came_back(r, s)) != s.end:
+        if s.kind == "level" and s.end is not None and (back := came_back(r, s)) != s.end:
             end = int(steps[back])  # and the size over what was out: the detector's end lags the return
             seg = slice(s.onset, back + 1)
             with quiet():
@@ -511,55 +512,6 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     return Divergence(candidate.key, d0.onset_step, d0.kind, d0.end_step, d0.delta,
                       d0.delta_sigma if d0.kind == "level" else float("nan"), first_bad, compared,
                       needed, d0.alert_step, tuple(deps), detectable, d0.candidate, d0.reference, **tail)
-
-
-def _not_back(r: np.ndarray, stretches: list) -> list:
-    """The scan's stretches, a level one that ended kept out where the candidate did not come back: over the
-    steps from its end to the next level stretch's onset (or the run's end), the residual's median is still
-    half its size or more on its side. Such a stretch runs on to the end, or into the next one on its side
-    (one departure, not two). The detector's end rule (a window's median back under half its bar) can
-    fire on a small lasting shift: 3 of 59 lasting shifts of 1.5-6 noise sd "ended" while they lasted."""
-    from dataclasses import replace
-
-    out = list(stretches)
-    i = 0
-    while i < len(out):
-        s = out[i]
-        if s.kind != "level" or s.end is None or not s.sign:
-            i += 1
-            continue
-        nxt = next((j for j in range(i + 1, len(out)) if out[j].kind == "level"), None)
-        stop = out[nxt].onset if nxt is not None else len(r)
-        with quiet():
-            size = float(np.nanmedian(r[s.onset:s.end + 1] * s.sign))
-            after = float(np.nanmedian(r[s.end + 1:stop] * s.sign)) if stop > s.end + 1 else size
-        if not (math.isfinite(size) and size > 0 and math.isfinite(after) and after >= size / 2):
-            i += 1
-            continue
-        if nxt is None:
-            out[i] = replace(s, end=None)
-        elif out[nxt].sign == s.sign:  # one departure: its onset and alert, the later one's end
-            out[i] = replace(s, end=out[nxt].end)
-            del out[nxt]
-            continue  # the merged stretch may run on again
-        i += 1
-    return out
-
-
-def _came_back(r: np.ndarray, s) -> int:
-    """Index of the last step a level stretch `s` that ended is out: after its alert, the split that
-    maximises the sum of (its sign x residual - half its size) up to it (the onset's CUSUM split, run
-    forwards). The detector ends a stretch once a window's median is back inside for a window's length,
-    which lags the candidate's return by up to half that window."""
-    if s.end is None or s.end <= s.alert:
-        return s.end if s.end is not None else len(r) - 1
-    with quiet():
-        size = float(np.nanmedian(r[s.onset:s.end + 1] * s.sign))
-    if not (math.isfinite(size) and size > 0):
-        return s.end
-    x = np.clip(r[s.alert:s.end + 1] * s.sign - size / 2, -size, size)
-    x[~np.isfinite(x)] = 0.0
-    return s.alert + int(np.argmax(np.cumsum(x)))
 
 
 DIVERGENCE_COLUMNS = ["run_id", "key", "onset_step", "kind", "end_step", "delta", "delta_sigma",

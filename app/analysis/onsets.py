@@ -7,7 +7,10 @@ error"); the tests are tests/app/analysis/test_onsets.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,7 +35,7 @@ class Stretch:
 
 def cusum_onset(r: np.ndarray, alert: int, level: float, lookback: int) -> int:
     """Where the stretch ending at `alert` starts: the split maximising the CUSUM of (r - level/2). The
-    detector's own rules (`_not_back`, `_came_back`, a level stretch inside a noisier one) measure the
+    detector's own rules (`not_back`, `came_back`, a level stretch inside a noisier one) measure the
     stretch from here; the onset reported is `first_out` from here."""
     lo = max(0, alert - lookback)
     seg = r[lo:alert + 1] * np.sign(level)
@@ -89,3 +92,59 @@ def variance_onset(abs_diff: np.ndarray, alert: int, ref_scale: float, ratio: fl
     x = np.where(np.isfinite(u2), 0.5 * u2 * (1 - 1 / ratio**2) - np.log(ratio), 0.0)
     tail = np.cumsum(x[::-1])[::-1]
     return lo + int(np.argmax(tail))
+
+
+@contextmanager
+def quiet():
+    """numpy warns on all-NaN slices (steps no reference logged); those steps are simply not compared
+    (the detector's too: `detector` imports it from here)."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def not_back(r: np.ndarray, stretches: list) -> list:
+    """The scan's stretches, a level one that ended kept out where the candidate did not come back: over the
+    steps from its end to the next level stretch's onset (or the run's end), the residual's median is still
+    half its size or more on its side. Such a stretch runs on to the end, or into the next one on its side
+    (one departure, not two). The detector's end rule (a window's median back under half its bar) can
+    fire on a small lasting shift: 3 of 59 lasting shifts of 1.5-6 noise sd "ended" while they lasted."""
+    out = list(stretches)
+    i = 0
+    while i < len(out):
+        s = out[i]
+        if s.kind != "level" or s.end is None or not s.sign:
+            i += 1
+            continue
+        nxt = next((j for j in range(i + 1, len(out)) if out[j].kind == "level"), None)
+        stop = out[nxt].onset if nxt is not None else len(r)
+        with quiet():
+            size = float(np.nanmedian(r[s.onset:s.end + 1] * s.sign))
+            after = float(np.nanmedian(r[s.end + 1:stop] * s.sign)) if stop > s.end + 1 else size
+        if not (math.isfinite(size) and size > 0 and math.isfinite(after) and after >= size / 2):
+            i += 1
+            continue
+        if nxt is None:
+            out[i] = replace(s, end=None)
+        elif out[nxt].sign == s.sign:  # one departure: its onset and alert, the later one's end
+            out[i] = replace(s, end=out[nxt].end)
+            del out[nxt]
+            continue  # the merged stretch may run on again
+        i += 1
+    return out
+
+
+def came_back(r: np.ndarray, s) -> int:
+    """Index of the last step a level stretch `s` that ended is out: after its alert, the split that
+    maximises the sum of (its sign x residual - half its size) up to it (the onset's CUSUM split, run
+    forwards). The detector ends a stretch once a window's median is back inside for a window's length,
+    which lags the candidate's return by up to half that window."""
+    if s.end is None or s.end <= s.alert:
+        return s.end if s.end is not None else len(r) - 1
+    with quiet():
+        size = float(np.nanmedian(r[s.onset:s.end + 1] * s.sign))
+    if not (math.isfinite(size) and size > 0):
+        return s.end
+    x = np.clip(r[s.alert:s.end + 1] * s.sign - size / 2, -size, size)
+    x[~np.isfinite(x)] = 0.0
+    return s.alert + int(np.argmax(np.cumsum(x)))
