@@ -180,7 +180,8 @@ def tested_band(references: Sequence, candidate, divergence: Divergence,
     onset exactly at the alert step; else the one that leaves it earliest within the departure. None for
     a variance, zero-rate or non-finite lead (no band tests those) or where no window's median leaves its
     band within the departure (a band that held a flagged candidate would read as "inside")."""
-    dep, config = divergence.lead, config if config is not None else DivergenceConfig()
+    # None: the verdicts' own config, as `compare` and `tested_bands` take it (`--detector`, else defaults)
+    dep, config = divergence.lead, config if config is not None else DivergenceConfig.from_env()
     if dep is None or dep.kind != "level":
         return None
     best, best_step = None, None
