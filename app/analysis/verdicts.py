@@ -106,21 +106,6 @@ def departure_when(d) -> str:
     return when_text(d.onset_step, d.alert_step) + came_back_text(d.end_step)
 
 
-def departure_text(key: str, d) -> str:
-    """"ratio mean 1.263 vs 1 (+26%, +8.0 sd) alerted at step 3 (started about step 0)" — metric units
-    first, sd second, then when (`departure_when`: a departure that ended says when it came back)."""
-    from rldiag.app.analysis.divergence import size_text, zero_rate_text
-
-    if d.kind == "nonfinite":
-        text = f"{key} non-finite"
-    elif d.kind == "zero_rate":
-        text = f"{key} {zero_rate_text(d.candidate, d.reference)}"
-    else:
-        text = (f"{key} {size_text(d.candidate, d.reference, d.delta_sigma)}" if d.kind == "level" else
-                f"{key} noise x{d.delta_sigma:.1f} the reference's")
-    return f"{text} {departure_when(d)}"
-
-
 def sentence_size(d) -> str:
     """A `Departure`'s size in a sentence: "delta 0.0787: 1.079 vs 1 (+8%, +5.3 sd)" (level), "noise x2.9
     the reference's" (variance), "exactly 0 at 62% of steps vs 30%" (zero_rate), "non-finite where the

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rldiag.app.analysis.divergence import DivergenceConfig, detect_divergence, sigma_cell, sigma_text
-from rldiag.app.analysis.verdicts import departure_text
+from rldiag.app.analysis.verdicts import departure_sentence
 from rldiag.app.analysis.verdicts import when_text
 from rldiag.app.data.trace import Trace
 from tests.helpers.divergence import NO_CHANGE, every, make_set, scenario, trace
@@ -75,8 +75,9 @@ def test_magnitudes_in_metric_units_first_and_sigma_bounded():
     c[1:] = 1.263  # parity at step 0, then 26% off (engine-parity's raw logprobs)
     d = detect_divergence(refs, trace(c))
     assert d.onset_step == 1 and d.kind == "level"
-    text = departure_text("ratio mean", d.first)
-    assert text == f"ratio mean 1.263 vs 1 (+26%, >1000 sd) {when_text(1, d.first.alert_step)}", text
+    text = departure_sentence("ratio mean", d.first)  # the words every product uses
+    assert text == (f"ratio mean leaves the reference band, {when_text(1, d.first.alert_step)} "
+                    "(level, delta 0.263: 1.263 vs 1 (+26%, >1000 sd))"), text
     assert sigma_text(2.04) == "+2.0 sd" and sigma_text(-5e6) == "<-1000 sd" and sigma_text(float("nan")) == ""
     # a table shows the size and the sd in cells of their own, both bounded: never "inf" or "8160.0"
     assert d.size == "1.263 vs 1 (+26%)" and sigma_cell(d.delta_sigma) == ">+1000"
@@ -277,8 +278,9 @@ def test_a_metric_often_exactly_0_is_compared_in_two_parts():
         collapse.append(d.diverged and 200 <= d.alert_step <= 220 and d.kind == "zero_rate")
     assert flagged == []
     assert all(drop) and all(more_zeros) and all(collapse), (drop, more_zeros, collapse)
-    text = departure_text("clip", zr[0])
-    assert text.startswith("clip exactly 0 at ") and "% of steps vs " in text
+    text = departure_sentence("clip", zr[0])
+    assert text.startswith("clip leaves the reference band") and "(zero_rate, exactly 0 at " in text
+    assert "% of steps vs " in text and "sd" not in text
     # the report's line for the last collapse: the rate in words, not a delta in sd
     from rldiag.app.analysis.divergence import DIVERGENCE_COLUMNS
     from rldiag.app.report.content import departure_text as report_line
