@@ -23,16 +23,19 @@ SPAN_HEIGHT = 0.03  # the onset-to-alert bar, a fraction of the plot area's heig
 
 def band_traces(bands: Mapping[str, Band], shown: Mapping[str, Trace], colors: Mapping[str, str],
                  labels: Mapping[str, str], options: ChartOptions) -> list[dict]:
-    """Per candidate's band: its upper edge, its lower edge filled up to it, and the candidate's trailing
-    median the band is tested against, dotted; each thinned to about `n_points / 2` steps in the step range,
-    where that median exists (the window 60% full): trailing medians of a window move little from one
-    step to the next, and a band is three traces a candidate (9 candidates x 8 metrics drew 130k of the
-    Compare page's 178k points: half as many took a tenth off the page's CPU in the browser)."""
+    """Per candidate's band: one filled shape (its upper edge forward, its lower edge back) and the
+    candidate's trailing median the band is tested against, dotted; each thinned to about `n_points / 2`
+    steps in the step range, where that median exists (the window 60% full): trailing medians of a window
+    move little from one step to the next (9 candidates x 8 metrics drew 130k of the Compare page's 178k
+    points: half as many took a tenth off the page's CPU in the browser). One shape, not an upper edge and
+    a lower edge filled up to it: plotly.js's cost a trace (defaults, array attributes, a path) was most
+    of its drawing time, and the band was two of the three traces a diverged candidate adds a panel."""
     out: list[dict] = []
     for run, band in bands.items():
         if run not in shown or not len(band.steps):
             continue
-        keep = np.isfinite(band.candidate)  # before the window is 60% full there is no test: no band drawn
+        # before the window is 60% full there is no test: no band drawn (and a shape needs both edges)
+        keep = np.isfinite(band.candidate) & np.isfinite(band.upper) & np.isfinite(band.lower)
         if options.first is not None:
             keep &= band.steps >= options.first
         if options.last is not None:
@@ -44,12 +47,12 @@ def band_traces(bands: Mapping[str, Band], shown: Mapping[str, Trace], colors: M
         x, color = band.steps[at], colors.get(run, PALETTE[0])
         rgb = tuple(int(color.lstrip("#")[i:i + 2], 16) for i in (0, 2, 4))
         name = plain(f"{labels.get(run, run)} band ({band.window}-step median)")
-        common = dict(type="scatter", x=x, mode="lines", legendgroup=run, showlegend=False)
-        out.append(dict(common, y=compact(band.upper[at]), name=name, line=dict(width=0), hoverinfo="skip"))
-        out.append(dict(common, y=compact(band.lower[at]), name=name, line=dict(width=0), hoverinfo="skip",
-                        fill="tonexty", fillcolor=f"rgba({rgb[0]},{rgb[1]},{rgb[2]},0.22)"))
+        common = dict(type="scatter", mode="lines", legendgroup=run, showlegend=False)
+        out.append(dict(common, x=np.concatenate([x, x[::-1]]), y=compact(np.concatenate([band.upper[at], band.lower[at][::-1]])),
+                        name=name, line=dict(width=0), hoverinfo="skip", fill="toself",
+                        fillcolor=f"rgba({rgb[0]},{rgb[1]},{rgb[2]},0.22)"))
         median = plain(f"{labels.get(run, run)} {band.window}-step median")
-        out.append(dict(common, y=compact(band.candidate[at]), name=median,
+        out.append(dict(common, x=x, y=compact(band.candidate[at]), name=median,
                         line=dict(color=color, width=1.5, dash="dot"),
                         hovertemplate=f"%{{y:.4g}} at step %{{x}}<extra>{median}</extra>"))
     return out

@@ -75,14 +75,18 @@ def test_a_chart_given_the_band_draws_it_beneath_the_runs_with_the_median_it_tes
     band, _, _ = compute_band(refs, cand)
     runs = {**{t.run_id: t for t in refs}, "c": cand}
     fig = metric_figure("m", runs, reference_ids=[t.run_id for t in refs], divergences={"c": d}, bands={"c": band})
-    upper, lower, median = fig.data[:3]  # beneath every run's line
-    assert lower.fill == "tonexty" and lower.fillcolor.startswith("rgba(") and upper.line.width == 0
+    shape, median = fig.data[:2]  # beneath every run's line: one filled shape, its upper edge and back its lower
+    assert shape.fill == "toself" and shape.fillcolor.startswith("rgba(") and shape.line.width == 0
     assert median.name == "c 129-step median" and median.line.dash == "dot"
-    assert all(t.legendgroup == "c" and t.showlegend is False for t in (upper, lower, median))
+    assert all(t.legendgroup == "c" and t.showlegend is False for t in (shape, median))
+    n = len(median.x)
+    assert len(shape.x) == 2 * n and list(shape.x[:n]) == list(median.x) and list(shape.x[n:]) == list(median.x[::-1])
+    upper, lower = np.asarray(shape.y[:n], float), np.asarray(shape.y[n:][::-1], float)
+    assert (upper > lower).all()
     assert [t.name for t in fig.data if t.showlegend is not False] == ["c", "r0", "r1", "r2"]
     assert "▒ band tested" in fig.layout.legend.title.text
     # drawn as tested: the dotted median leaves the fill at the alert step, where the diamond is
-    x, lo, hi, med = (np.asarray(v, float) for v in (median.x, lower.y, upper.y, median.y))
+    x, lo, hi, med = np.asarray(median.x, float), lower, upper, np.asarray(median.y, float)
     out = (med < lo - 1e-6) | (med > hi + 1e-6)
     assert x[np.flatnonzero(out)[0]] == d.alert_step
     # delta mode: the band is around the detector's centre, not the references' mean: not drawn

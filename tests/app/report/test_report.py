@@ -119,10 +119,12 @@ def test_the_band_drawn_is_the_band_tested(report, runs):
     alert = div[(div.run_id == runs["shifted"]) & (div.key == K.RATIO_MEAN)].alert_step.item()
     fig = report.figures[K.RATIO_MEAN]
     band = [t for t in fig.data if re.fullmatch(r"cand-shifted (band \(\d+-step median\)|\d+-step median)", t.name)]
-    upper, lower, median = band  # the window whose median crossed at the alert: an 8-sd step, the shortest
-    assert lower.name == f"cand-shifted band ({median.name.split()[1]} median)", [t.name for t in band]
-    assert lower.fill == "tonexty" and median.line.dash == "dot"
-    x, lo, hi, med = (np.asarray(v, float) for v in (median.x, lower.y, upper.y, median.y))
+    shape, median = band  # the window whose median crossed at the alert: an 8-sd step, the shortest
+    assert shape.name == f"cand-shifted band ({median.name.split()[1]} median)", [t.name for t in band]
+    assert shape.fill == "toself" and median.line.dash == "dot"
+    n = len(median.x)  # the shape: the upper edge forward, the lower edge back
+    x, med = np.asarray(median.x, float), np.asarray(median.y, float)
+    hi, lo = np.asarray(shape.y[:n], float), np.asarray(shape.y[n:][::-1], float)
     out = (med < lo - 1e-9) | (med > hi + 1e-9)
     assert x[np.flatnonzero(out)[0]] == alert and alert >= SHIFT_AT
     assert (x >= alert).sum() > 10 and out[x >= alert].all()  # a lasting shift: out to the end
