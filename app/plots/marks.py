@@ -48,9 +48,9 @@ def band_traces(bands: Mapping[str, Band], shown: Mapping[str, Trace], colors: M
         rgb = tuple(int(color.lstrip("#")[i:i + 2], 16) for i in (0, 2, 4))
         name = plain(f"{labels.get(run, run)} band ({band.window}-step median)")
         common = dict(type="scatter", mode="lines", legendgroup=run, showlegend=False)
-        out.append(dict(common, x=np.concatenate([x, x[::-1]]), y=compact(np.concatenate([band.upper[at], band.lower[at][::-1]])),
-                        name=name, line=dict(width=0), hoverinfo="skip", fill="toself",
-                        fillcolor=f"rgba({rgb[0]},{rgb[1]},{rgb[2]},0.22)"))
+        edges = np.concatenate([band.upper[at], band.lower[at][::-1]])
+        out.append(dict(common, x=np.concatenate([x, x[::-1]]), y=compact(edges), name=name, line=dict(width=0),
+                        hoverinfo="skip", fill="toself", fillcolor=f"rgba({rgb[0]},{rgb[1]},{rgb[2]},0.22)"))
         median = plain(f"{labels.get(run, run)} {band.window}-step median")
         out.append(dict(common, x=x, y=compact(band.candidate[at]), name=median,
                         line=dict(color=color, width=1.5, dash="dot"),
