@@ -6,6 +6,7 @@ false alarms on long runs.
     python -m bench.divergence_length                 # tuning seeds, the full counts (~10 minutes)
     python -m bench.divergence_length --held-out      # the frozen held-out split (report it once per change)
     python -m bench.divergence_length --detector impulse_clip=10   # other detector options
+    python -m bench.divergence_length --refs 1 --lengths 10000,100000 --kinds none,wander   # a slice (tuning seeds)
 
 Each comparison is one metric: 1 to 4 reference seeds and a candidate of one configuration. Every run
 carries a trend over the run's length (tau 10-60% of it), AR(1) noise of marginal sd 1 (phi 0 to 0.85,
@@ -97,9 +98,10 @@ def _trace(values: np.ndarray, run: str) -> Trace:
                  np.zeros(len(values), np.int64))
 
 
-def scenario(seed: int, kind: str, n: int) -> tuple[list[Trace], Trace, int | None, dict]:
+def scenario(seed: int, kind: str, n: int, refs: int | None = None) -> tuple[list[Trace], Trace, int | None, dict]:
     """(references, candidate, first changed step or None, the draw's parameters) for comparison `seed`
-    of run length `n`; one seed's configuration and candidate noise are the same for every kind."""
+    of run length `n`; one seed's configuration and candidate noise are the same for every kind. `refs`:
+    that many references instead of the drawn count (set after the draw, so every other draw stays)."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: use one of {', '.join(KINDS)}")
     rng = np.random.default_rng([seed, n])
@@ -107,6 +109,7 @@ def scenario(seed: int, kind: str, n: int) -> tuple[list[Trace], Trace, int | No
     dof = float(rng.choice([3.0, 5.0, 30.0, np.inf]))
     positive = bool(rng.random() < 0.4)
     n_refs = int(rng.choice([1, 2, 3, 4]))
+    n_refs = n_refs if refs is None else refs
     wander_sd, offset_sd, rho = rng.uniform(0, 0.35), rng.uniform(0, 0.35), 0.995
     if kind == "wander":
         wander_sd, rho = rng.uniform(0.35, 0.5), 0.999
@@ -171,16 +174,17 @@ def online_alert(refs: list[Trace], cand: Trace, start: int, full_alert: int, co
     return int(cand.steps[lo - 1])
 
 
-def evaluate(lengths: dict[int, int], config: DivergenceConfig, seeds_from: int | range = 0) -> dict:
-    """Per run length and kind: counts and figures (see the module docstring)."""
+def evaluate(lengths: dict[int, int], config: DivergenceConfig, seeds_from: int | range = 0,
+             kinds: tuple[str, ...] = KINDS, n_refs: int | None = None) -> dict:
+    """Per run length and kind: counts and figures (see the module docstring); `n_refs`: see `scenario`."""
     out: dict[str, dict] = {}
     for n, count in lengths.items():
         seeds = list(seeds_from)[:count] if isinstance(seeds_from, range) else range(seeds_from, seeds_from + count)
         row: dict[str, dict] = {}
-        for kind in KINDS:
+        for kind in kinds:
             fired, early, missed, delays, onsets, which = 0, 0, 0, [], [], []
             for seed in seeds:
-                refs, cand, at, info = scenario(seed, kind, n)
+                refs, cand, at, info = scenario(seed, kind, n, n_refs)
                 d = detect_divergence(refs, cand, config)
                 if not d.diverged:
                     missed += at is not None
@@ -193,7 +197,7 @@ def evaluate(lengths: dict[int, int], config: DivergenceConfig, seeds_from: int 
                     continue
                 a = online_alert(refs, cand, at, d.alert_step, config)
                 delays.append(None if a is None else a - at)
-                base = scenario(seed, "none", n)[1].values if kind == "drift" else None
+                base = scenario(seed, "none", n, n_refs)[1].values if kind == "drift" else None
                 onsets.append(_onsets.score(refs, cand, at, d, config, kind, base))
             got = [x for x in delays if x is not None]
             errors = [o["error"] for o in onsets]
@@ -254,11 +258,32 @@ def main(argv: list[str] | None = None) -> int:
                          "(never tune on them)")
     ap.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
                     help="a DivergenceConfig option (repeatable); results go to divergence_length_options.json")
+    ap.add_argument("--refs", type=int, choices=(1, 2, 3, 4), help="this many references in every comparison "
+                    "(set after the draw: all else as drawn); results go to divergence_length_slice.json")
+    ap.add_argument("--lengths", help=f"comma-separated run lengths of {LENGTHS} (default all); a slice")
+    ap.add_argument("--kinds", help=f"comma-separated kinds of {', '.join(KINDS)} (default all); a slice")
+    ap.add_argument("--count", type=int, help="comparisons per kind and run length (default: the full or quick "
+                    "counts); a slice")
     args = ap.parse_args(argv)
     config = DivergenceConfig.from_options(args.detector)
-    lengths = PER_CELL_QUICK if args.quick else PER_CELL
+    lengths = dict(PER_CELL_QUICK if args.quick else PER_CELL)
+    if args.lengths:
+        if bad := [x for x in args.lengths.split(",") if not (x.isdigit() and int(x) in LENGTHS)]:
+            ap.error(f"--lengths {args.lengths}: {bad[0]!r} is no run length of the bench; use some of "
+                     f"{','.join(map(str, LENGTHS))}")
+        lengths = {int(x): lengths[int(x)] for x in args.lengths.split(",")}
+    kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
+    if bad := [k for k in kinds if k not in KINDS]:
+        ap.error(f"--kinds {args.kinds}: {bad[0]!r} is no kind of the bench; use some of {','.join(KINDS)}")
+    if args.count is not None:
+        if args.count < 1:
+            ap.error(f"--count {args.count}: use 1 or more comparisons per kind and run length")
+        lengths = {n: args.count for n in lengths}
+    sliced = bool(args.refs or args.lengths or args.kinds or args.count is not None)
+    if sliced and args.held_out:
+        ap.error("--held-out scores the whole frozen split once: drop --refs/--lengths/--kinds/--count")
     t0 = time.perf_counter()
-    res = evaluate(lengths, config, HELD_OUT_SEEDS if args.held_out else 0)
+    res = evaluate(lengths, config, HELD_OUT_SEEDS if args.held_out else 0, kinds, args.refs)
     took = time.perf_counter() - t0
     _print(res)
     tot = totals(res)
@@ -280,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                     "median <= 2, none > 10 early or before the first point out",
                     tot["median_onset_error_no_drift"] is not None and tot["median_onset_error_no_drift"] <= 2
                     and tot["onset_over_10_early"] + tot["onsets_before_first_out"] == 0)]
-    name = ("divergence_length_options" if args.detector else
+    name = ("divergence_length_slice" if sliced else "divergence_length_options" if args.detector else
             "divergence_length" + ("_held_out" if args.held_out else "") + ("_quick" if args.quick else ""))
     write_result(name, {"env": env_info(), "quick": args.quick, "held_out": args.held_out, "lengths": lengths,
                         "seconds": took, "config": repr(config), "results": res, "totals": tot, "summary": summary})

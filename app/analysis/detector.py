@@ -50,6 +50,17 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
   bar alone (no floor), 1000-step candidates with one reference at phi 0.85 were flagged on a heavy-tailed
   jump the one reference never showed (4 false of 96 on bench.divergence_length --quick; 0 with them).
   alpha = 0: the bars before it (the floors, raised to `calibration_margin` x what the references reach).
+- A candidate's residual is its noise less the centre's, and the centre is its references' noise (one
+  reference: its own, through a 9-step median). So the tops carried to alpha are also taken on each
+  reference's own residual less the centre's half a run away (`paired`): a jump's echo in one, the
+  other's noise (or echo) at an unrelated step. Their own residuals alone left the centre out, and with one
+  reference a candidate's jump echo plus the centre's noise there, or the reference's echo mirrored, crossed
+  bars set by echoes the reference itself held (bench.divergence_length, tuning seeds, one reference
+  forced: `--refs 1 --lengths 10000,100000 --kinds none,jump,wander`, 22 -> 14 flagged of 96; 100k seed 1
+  reached 8.2 on the (21, 65) change test against 7.8). Level windows as long as the wide smooth or longer
+  leave it out: there the top rests on a look or two carried to alpha by up to 8x (1000 steps), and their
+  centre's part is slow, in the null sd already; with it, one reference forced, a 1000-step 3-sd shift
+  (seed 10, `--lengths 1000 --kinds level3`) was missed, found at 275 steps without.
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact: a CUSUM split before the alert, then the first
@@ -391,6 +402,12 @@ def _even_toward_zero(x: np.ndarray, m: int, med: np.ndarray) -> np.ndarray:
     return out
 
 
+def paired(own: list[np.ndarray], centre: np.ndarray) -> list[np.ndarray]:
+    """Each reference's own residual less the centre's (`centre`, around the same wide smooth) half a run
+    away: what a candidate's residual holds, its own noise and the centre's at an unrelated time."""
+    return [x - np.roll(centre, len(centre) // 2) for x in own]
+
+
 def partial_sd(x: np.ndarray, m: int, phi: float, full_sd: float, own_sd: float) -> np.ndarray | float:
     """Per index, the no-change sd of the trailing m-median of `x` given how many finite points its
     window holds: `full_sd` with its own-noise part (`own_sd`, a full window's) grown to a window of c
@@ -517,6 +534,16 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
                 own_med[j][m] = _trailing_median(own_pts[j], m)
             return own_med[j][m]
 
+        # A candidate's residual holds the centre's noise beside its own (`paired`); not in the two-part
+        # comparison, whose centre is interpolated between points
+        pair_pts = None if split or cal is None else paired(own_pts, center - row_nanmedian(wide))
+        pair_med: list[dict[int, np.ndarray]] = [{} for _ in own_pts]
+
+        def pair_trailing(j: int, m: int) -> np.ndarray:
+            if m not in pair_med[j]:
+                pair_med[j][m] = _trailing_median(pair_pts[j], m)
+            return pair_med[j][m]
+
         null_sd, thresholds, owns = [], [], []
         for wi, m in enumerate(config.windows):
             sd = null_sd_of(m, n)
@@ -533,7 +560,13 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
                         top = max(top, float(np.nanmax(np.abs(tm) / partial_sd(x, m, phi_w, own_sd, own_sd))))
             # Short windows are tested many more times a run than long ones (and feel heavy tails more):
             # their bar rises by `k_per_halving` for each halving below the longest window.
-            thresholds.append(window_bar(config, m, top, own_sd / sd if sd > 0 else 0.0, loo_level[wi], cal))
+            pair_top = 0.0  # in the null sd; windows as long as the wide smooth: `paired`
+            if pair_pts is not None and sd > 0 and m < config.detrend_window:
+                for j, x in enumerate(pair_pts):
+                    if np.isfinite(tm := pair_trailing(j, m)).any():
+                        pair_top = max(pair_top, float(np.nanmax(np.abs(tm) / partial_sd(x, m, phi_w, sd, own_sd))))
+            thresholds.append(window_bar(config, m, top, own_sd / sd if sd > 0 else 0.0, loo_level[wi], cal,
+                                         pair_top))
         # The floors: one reference, k_change; with 2+, a lower floor, since each change test's bar rises to what
         # the references reach left out in turn (with alpha > 0 both also rise to what their own residuals
         # reach, carried to alpha, and to the model's bar, x sqrt(1 + 1/n) for the centre's own change). bench.divergence_rl, floor 7.5 -> 6.5: level3
@@ -545,8 +578,12 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             change_bar = tuple(max(k_floor, config.calibration_margin * c) for c in loo_change)
         else:  # the candidate's change also holds the centre's (about 1/n of its own variance)
             own_change = _own_change_tops(own_trailing, n, config, change_sd)
-            change_bar = tuple(max(k_floor, cal.model(q) * np.sqrt(1 + 1 / n), cal.extrapolate(q, own), cal.extrapolate(q, loo))
-                               for (q, _), own, loo in zip(config.change_windows, own_change, loo_change))
+            pair_change = (_own_change_tops(pair_trailing, n, config, change_sd) if pair_pts is not None
+                           else [0.0] * len(own_change))
+            change_bar = tuple(max(k_floor, cal.model(q) * np.sqrt(1 + 1 / n), cal.extrapolate(q, max(own, pair)),
+                                   cal.extrapolate(q, loo))
+                               for (q, _), own, pair, loo in zip(config.change_windows, own_change, pair_change,
+                                                                 loo_change))
         diff_scale, var_bar = _variance_bar(vals, sigma, phi, config, compress=split)
         diff_scale = max(diff_scale, rounding)
         zeros = _zero_rate(raw, config) if split else None
@@ -556,17 +593,19 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
     return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros, q)
 
 
-def window_bar(config, m: int, own_top: float, own_share: float, loo: float, cal: Calibration | None = None) -> float:
+def window_bar(config, m: int, own_top: float, own_share: float, loo: float, cal: Calibration | None = None,
+               pair_top: float = 0.0) -> float:
     """A trailing window's bar, in its null sd, from what the references reach on it: `own_top`, the largest
     |trailing median| of their own residuals in sd of their own noise (`own_share` of the null sd: in the
     null sd, own_top x own_share is the size of their largest excursion, which a candidate's own noise
-    makes too), and `loo`, each left out against the others (in the null sd). With `cal` (alpha > 0):
-    `Calibration.bar` of the two. Else (alpha = 0, the fixed bars before issue 43) `k`, raised by
+    makes too), `pair_top`, the same of their own residuals less the centre's (`paired`, in the null sd), and
+    `loo`, each left out against the others (in the null sd). With `cal` (alpha > 0): `Calibration.bar` of
+    them. Else (alpha = 0, the fixed bars before issue 43) `k`, raised by
     `k_per_halving` for each halving below the longest window, or `calibration_margin` x those, whichever
     is more."""
     k_m = config.k + config.k_per_halving * np.log2(config.windows[-1] / m)
     if cal is not None:
-        return max(k_m, cal.bar(m, own_top * own_share, loo))
+        return max(k_m, cal.bar(m, own_top * own_share, pair_top, loo))
     return max(k_m, config.calibration_margin * own_top * own_share, config.calibration_margin * loo)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rldiag.app.analysis.detector import _trailing_median, ar_mean_var, partial_sd
+from rldiag.app.analysis.detector import _trailing_median, ar_mean_var, paired, partial_sd
 from rldiag.app.analysis.divergence import detect_divergence
 from rldiag.app.data.trace import Trace
 from tests.helpers.divergence import length_scenario as scenario
@@ -71,3 +71,34 @@ def test_a_warm_up_burst_the_references_never_showed_is_no_departure(n, seed):
     assert info["n_refs"] >= 2
     d = detect_divergence(refs, cand)
     assert not (d.diverged and d.alert_step < 20), d.departures
+
+
+# bench.divergence_length tuning seeds with one reference (`scenario(..., refs=1)`) that flagged a no-change
+# candidate before the references' own tops took in the centre's noise (`detector.paired`): an 11-15 sd jump's
+# echo in the candidate plus the centre's noise at that step, or the reference's own echo, mirrored, in the
+# candidate's residual. 100k steps, seed 1: the (21, 65) change reached 8.2 against a bar of 7.8.
+ONE_REFERENCE_ECHOES = [(19, "none", 10_000), (23, "none", 10_000), (23, "jump", 10_000), (1, "none", 100_000),
+                        (2, "none", 100_000), (3, "jump", 100_000)]
+
+
+@pytest.mark.parametrize("seed, kind, n", ONE_REFERENCE_ECHOES)
+def test_one_reference_with_heavy_jumps_does_not_flag_a_candidate_of_its_configuration(seed, kind, n):
+    refs, cand, _, info = scenario(seed, kind, n, refs=1)
+    assert info["n_refs"] == 1 and info["phi"] >= 0.3
+    d = detect_divergence(refs, cand)
+    assert not d.diverged, d.departures
+
+
+@pytest.mark.parametrize("seed, n", [(19, 10_000), (1, 100_000), (2, 100_000)])
+def test_one_reference_with_heavy_jumps_still_finds_a_5_sd_shift_at_once(seed, n):
+    refs, cand, at, _ = scenario(seed, "level5", n, refs=1)
+    d = detect_divergence(refs, cand)
+    assert d.diverged and at <= d.alert_step <= at + 25 and d.onset_step - at <= 2, (at, d.departures)
+
+
+def test_the_paired_residual_is_each_references_own_less_the_centres_half_a_run_away():
+    own = [np.arange(6.0), np.ones(6)]
+    centre = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    got = paired(own, centre)
+    assert got[0].tolist() == [-3.0, -3.0, -3.0, 3.0, 3.0, 3.0]  # the centre half a run (3 steps) away, wrapped
+    assert got[1].tolist() == [-2.0, -3.0, -4.0, 1.0, 0.0, -1.0]
