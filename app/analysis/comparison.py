@@ -158,19 +158,42 @@ def compare(histories: Histories, reference_ids: Sequence[str], candidate_ids: S
                       reference_note(len(refs), config) if refs else "", options_text(config), bands)
 
 
+# The most bands one chart shades: 9 candidates' bands in a panel overlapped into one block no colour
+# could be told in (and were 144 of the Compare page's 306 traces and 58% of its points at 10 runs x 8
+# metrics, most of plotly.js's drawing time); 3 stay apart.
+BANDS_PER_CHART = 3
+
+
 def tested_bands(histories: Histories, key: str, reference_ids: Sequence[str],
-                 divergences: Mapping[str, Divergence], config: DivergenceConfig | None = None) -> dict[str, Band]:
+                 divergences: Mapping[str, Divergence], config: DivergenceConfig | None = None,
+                 limit: int | None = BANDS_PER_CHART) -> dict[str, Band]:
     """`{candidate: Band}` of `key` for a chart's `bands=`: `tested_band` of each diverged candidate in
-    `divergences` (`{candidate: Divergence}`, as `Comparison.divergences[key]`) that has one. `config`: the
-    verdicts' (None: `DivergenceConfig.from_env`, as `compare`); only diverged candidates cost anything."""
+    `divergences` (`{candidate: Divergence}`, as `Comparison.divergences[key]`) that has one, at most
+    `limit` (None: all), the first to alert (then the first onset) first: the chart's legend says how many
+    it shows (`band_note`). `config`: the verdicts' (None: `DivergenceConfig.from_env`, as `compare`); only
+    the candidates banded cost anything."""
     config = config if config is not None else DivergenceConfig.from_env()
     refs = [t for t in histories.for_key(key, reference_ids).values() if len(t)] if reference_ids else []
     out = {}
-    for cand, d in divergences.items():
-        t = histories.get(cand, key) if refs and d.diverged else None
-        if t is not None and len(t) and (band := tested_band(refs, t, d, config)) is not None:
+    for cand in banded_order(divergences):
+        if limit is not None and len(out) >= limit:
+            break
+        t = histories.get(cand, key) if refs else None
+        if t is not None and len(t) and (band := tested_band(refs, t, divergences[cand], config)) is not None:
             out[cand] = band
     return out
+
+
+def banded_order(divergences: Mapping[str, Divergence]) -> list[str]:
+    """The candidates a band can be drawn for (diverged, a level lead departure), the first to alert
+    (then the first onset) first."""
+    def when(cand: str) -> tuple[float, float]:
+        lead = divergences[cand].lead
+        alert = lead.alert_step if lead.alert_step is not None and np.isfinite(lead.alert_step) else np.inf
+        return float(alert), float(lead.onset_step)
+
+    leads = [c for c, d in divergences.items() if d.diverged and d.lead is not None and d.lead.kind == "level"]
+    return sorted(leads, key=when)
 
 
 def tested_band(references: Sequence, candidate, divergence: Divergence,
@@ -220,4 +243,4 @@ def _opt(v: object) -> str:
 
 
 __all__ = ["HEADLINE_METRICS", "VERDICT_KEYS", "CompareOptions", "Comparison", "Verdict", "compare", "load_keys",
-           "options_text", "tested_band", "tested_bands"]
+           "options_text", "tested_band", "tested_bands", "banded_order", "BANDS_PER_CHART"]

@@ -116,6 +116,18 @@ def _thin(steps: np.ndarray, n: int) -> np.ndarray:
     return steps[np.unique(np.linspace(0, len(steps) - 1, n).round().astype(np.int64))]
 
 
+def bands_shown_text(bands: Mapping[str, Band], divergences: Mapping[str, Divergence], shown: Mapping) -> str:
+    """" · bands of the first 3 of 9 to alert" for the chart's title where it shades fewer candidates'
+    bands than could have one (`comparison.BANDS_PER_CHART`), else ""."""
+    from rldiag.app.analysis.comparison import BANDS_PER_CHART, banded_order
+
+    could = [c for c in banded_order(divergences) if c in shown]
+    drawn = [c for c in bands if c in shown]
+    # fewer drawn than could be, and the limit reached (a departure no window's band holds has none to draw)
+    limited = len(drawn) >= BANDS_PER_CHART and len(could) > len(drawn)
+    return f" · bands of the first {len(drawn)} of {len(could)} to alert" if limited else ""
+
+
 # every trace type rldiag's charts draw (the basic plotly.js bundle's: app/dashboard/chart_grid.py)
 TRACE_TYPES = ("scatter", "bar", "pie")
 
@@ -208,11 +220,13 @@ def metric_figure(
                 dropped_total += int(dropped.sum())
                 data.append(_marker(name + NONPOS_SUFFIX, _thin(t.steps[dropped], options.n_points), row,
                                     "circle-open", color, run, size=7))
+    band_note = ""
     if bands and not options.delta:
         drawn_bands = band_traces(bands, shown, colors, labels, options)
         data[:0] = drawn_bands  # beneath every line
         if drawn_bands:
             key_kinds["band"] = None
+            band_note = bands_shown_text(bands, divergences or {}, shown)
     marks, mark_shapes = departure_marks(shown, divergences or {}, colors, labels, options)
     data.extend(marks)
     shapes.extend(mark_shapes)
@@ -221,6 +235,7 @@ def metric_figure(
     title = f"{key} (minus reference)" if options.delta else key
     if dropped_total:
         title += f" · {dropped_total} points ≤ 0 not on the log scale (○ in the strip above)"
+    title += band_note
     xaxis = dict(title=dict(text="step"))
     if options.first is not None and options.last is not None:
         xaxis["range"] = [options.first, options.last]

@@ -93,3 +93,37 @@ def test_a_chart_given_the_band_draws_it_beneath_the_runs_with_the_median_it_tes
     delta = metric_figure("m", runs, reference_ids=[t.run_id for t in refs], bands={"c": band},
                           options=ChartOptions(delta=True))
     assert not [t for t in delta.data if t.fill] and "band" not in (delta.layout.legend.title.text or "")
+
+
+def test_a_chart_shades_the_bands_of_the_first_three_candidates_to_alert_and_says_so():
+    # five candidates shifted from different steps: 5 overlapping bands in one panel could not be told apart
+    from rldiag.app.analysis.comparison import BANDS_PER_CHART, tested_bands
+    from rldiag.app.data.histories import Histories
+    from rldiag.app.plots.figures import metric_figure
+
+    rng = np.random.default_rng(11)
+    refs = [_trace(f"r{i}", 1 + SD * _ar(rng)) for i in range(3)]
+    cands = {}
+    for i, start in enumerate([300, 120, 250, 160, 200]):
+        v = 1 + SD * _ar(rng)
+        v[start:] += 8 * SD
+        cands[f"c{i}"] = _trace(f"c{i}", v)
+    divs = {c: detect_divergence(refs, t) for c, t in cands.items()}
+    assert all(d.diverged and d.lead.kind == "level" for d in divs.values())
+    alerts = {c: d.lead.alert_step for c, d in divs.items()}
+    traces = {(t.run_id, "m"): t for t in [*refs, *cands.values()]}
+    h = Histories("memory", "memory", traces, tuple(r for r, _ in traces), dict(traces), {}, {})
+    bands = tested_bands(h, "m", [t.run_id for t in refs], divs)
+    assert BANDS_PER_CHART == 3 and len(bands) == 3
+    assert sorted(bands) == sorted(sorted(alerts, key=alerts.get)[:3])  # c1, c3, c4: shifted first
+    assert len(tested_bands(h, "m", [t.run_id for t in refs], divs, limit=None)) == 5
+    runs = {**{t.run_id: t for t in refs}, **cands}
+    fig = metric_figure("m", runs, reference_ids=[t.run_id for t in refs], divergences=divs, bands=bands)
+    assert len([t for t in fig.data if t.fill == "toself"]) == 3
+    assert fig.layout.title.text == "m · bands of the first 3 of 5 to alert"
+    # every candidate still has its alert diamond
+    assert len([t for t in fig.data if t.name.startswith("diverges: ")]) == 5
+    # all of them banded (no limit): no note
+    every = tested_bands(h, "m", [t.run_id for t in refs], divs, limit=None)
+    assert metric_figure("m", runs, reference_ids=[t.run_id for t in refs], divergences=divs,
+                         bands=every).layout.title.text == "m"
