@@ -254,7 +254,8 @@ def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: floa
 
 def check_visible(charts: list[dict], plan: dict[str, dict]) -> dict[str, list]:
     """Every injected NaN as a marker and every spike as a drawn point of its run's line."""
-    by_title = {c["title"]: {t["name"]: t for t in c["traces"]} for c in charts}
+    # a panel's title is its metric, then any notes (" · bands of the first 3 of 9 to alert")
+    by_title = {c["title"].split(" · ")[0]: {t["name"]: t for t in c["traces"]} for c in charts}
     missing_nan, missing_spike = [], []
     for run, inj in plan.items():
         marker = by_title.get(keys.GRAD_NORM, {}).get(run + " NaN")
