@@ -121,14 +121,15 @@ def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], 
                                                                 if lines.get(s.run_id) else "") for s in summaries))
     ranked = [rc for rc in causes if rc.causes]
     if ranked:
+        # one Markdown element for every candidate, not one each: the browser renders every element on the
+        # page's first draw, collapsed or not (nine at 10 runs)
         with st.expander("Likely causes, ranked, with their evidence", expanded=False):
-            for rc in ranked:
-                st.markdown(f"**{escape_md(labels[rc.run_id])}**\n" + "\n".join(
-                    f"{i}. **{escape_md(c.title)}**{f' ({escape_md(c.hint)})' if c.hint else ''}: "
-                    f"{escape_md('; '.join([*c.signature, *c.settings]))}. Fix: {escape_md(c.fix)}. "
-                    f"Source: {escape_md(c.source)}" for i, c in enumerate(rc.causes, 1))
-                    + (f"\n\nAlso differs (no signature of its own): {escape_md('; '.join(rc.also_differs))}"
-                       if rc.also_differs else ""))
+            st.markdown("\n\n".join(f"**{escape_md(labels[rc.run_id])}**\n" + "\n".join(
+                f"{i}. **{escape_md(c.title)}**{f' ({escape_md(c.hint)})' if c.hint else ''}: "
+                f"{escape_md('; '.join([*c.signature, *c.settings]))}. Fix: {escape_md(c.fix)}. "
+                f"Source: {escape_md(c.source)}" for i, c in enumerate(rc.causes, 1))
+                + (f"\n\nAlso differs (no signature of its own): {escape_md('; '.join(rc.also_differs))}"
+                   if rc.also_differs else "") for rc in ranked))
     needed = summaries[0].steps_needed if summaries else 0
     st.caption(f"Compared with {band}: each departure says the step a watcher polling every step alerts at and "
                "where it started (placed after the fact), also marked on the charts; a metric still out at the end "
