@@ -211,8 +211,10 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         # the why, before any chart: per candidate its verdict, where it departs, its likely cause and fix
         rows = verdict_rows(found, sel.labels)
         if any(r.departs != "-" or r.cause != "-" for r in rows):  # a static table: the fix wraps, never cut
-            glance.markdown(html_table(pd.DataFrame(rows, columns=["candidate", "verdict", "departs", "likely cause",
-                                                                   "fix"])), unsafe_allow_html=True)
+            # as HTML, not Markdown with HTML allowed: the page then needs no HTML-in-Markdown parser (188 KB of
+            # the browser's scripts to load and run on every fresh page, and the table parsed through it)
+            glance.html(html_table(pd.DataFrame(rows, columns=["candidate", "verdict", "departs", "likely cause",
+                                                               "fix"])))
     if shown:
         figure = data.grid(loaded.stamp, h, tuple(shown), tuple(run_ids), labels, tuple(refs),
                            tuple(colors.items()), divs, options)

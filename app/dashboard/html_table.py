@@ -29,8 +29,8 @@ def wrap_text(text: str) -> str:
 
 
 def html_table(df: pd.DataFrame, *, numeric: tuple[str, ...] = ()) -> str:
-    """`df` (index not shown) as one escaped HTML table in a `rldiag-table` block, for `st.markdown(...,
-    unsafe_allow_html=True)`; columns in `numeric` align right and do not wrap."""
+    """`df` (index not shown) as one escaped HTML table in a `rldiag-table` block, for `st.html` (or
+    `st.markdown(..., unsafe_allow_html=True)`); columns in `numeric` align right and do not wrap."""
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
     rows = []
     for values in df.itertuples(index=False):

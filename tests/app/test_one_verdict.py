@@ -122,7 +122,7 @@ def test_report_page_and_watcher_give_each_candidate_the_same_verdict_line(store
     at.sidebar.multiselect(key="sidebar.candidates").set_value(list(ids.values())).run()
     assert not at.exception, [e.value for e in at.exception]
     assert sorted(at.multiselect(key="compare.metrics").value) == sorted(KEYS)
-    [table] = [m.value for m in at.markdown if "<th>departs</th>" in m.value]
+    [table] = [m.value for m in at.html if "<th>departs</th>" in m.value]
     assert _cell_rows(table) == expected
 
     # the watcher: the event of each departing candidate's lead metric says the verdict and the same when

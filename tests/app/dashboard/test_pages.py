@@ -84,7 +84,7 @@ def test_compare_draws_every_run_nan_markers_and_the_shift_but_not_the_seeds(das
     assert summary and all("stays within the reference band on 7 metrics compared" in line
                            for line in summary.values())  # the seeds, the run named like HTML
     # before the charts, one row per candidate: verdict, where it departs, likely cause and fix (a static table)
-    [verdicts] = [m.value for m in at.markdown if "<th>departs</th>" in m.value]
+    [verdicts] = [m.value for m in at.html if "<th>departs</th>" in m.value]
     rows = {cells[0]: cells[1:] for cells in table_rows(verdicts)}
     assert rows["unmasked"][:2] == ["non-finite gradients", f"grad/finite 0 at step {NAN_STEPS[0]}"], rows
     assert rows["v1 shifted"][0] == "departs", rows
