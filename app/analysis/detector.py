@@ -60,7 +60,8 @@ Why this shape (measured on `bench.divergence_rl`, RL-like noise):
   reached 8.2 on the (21, 65) change test against 7.8). Level windows as long as the wide smooth or longer
   leave it out: there the top rests on a look or two carried to alpha by up to 8x (1000 steps), and their
   centre's part is slow, in the null sd already; with it, one reference forced, a 1000-step 3-sd shift
-  (seed 10, `--lengths 1000 --kinds level3`) was missed, found at 275 steps without.
+  (seed 10, `--lengths 1000 --kinds level3`) was missed, found at 275 steps without. With 2 or more
+  references it is not taken: each left out against the centre of the others is that already.
 - Causal: the candidate's statistic at step t uses only its points up to t, so the step at which a
   departure is first reported on the full run (`alert_step`) is the one a watcher polling every step
   reports it at. The onset is placed after the fact: a CUSUM split before the alert, then the first
@@ -534,9 +535,9 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
                 own_med[j][m] = _trailing_median(own_pts[j], m)
             return own_med[j][m]
 
-        # A candidate's residual holds the centre's noise beside its own (`paired`); not in the two-part
-        # comparison, whose centre is interpolated between points
-        pair_pts = None if split or cal is None else paired(own_pts, center - row_nanmedian(wide))
+        # A candidate's residual holds the centre's noise beside its own (`paired`): with one reference (2+: the
+        # leave-one-out scores hold it); not in the two-part comparison, whose centre is interpolated between points
+        pair_pts = None if split or cal is None or n > 1 else paired(own_pts, center - row_nanmedian(wide))
         pair_med: list[dict[int, np.ndarray]] = [{} for _ in own_pts]
 
         def pair_trailing(j: int, m: int) -> np.ndarray:
