@@ -169,9 +169,9 @@ def tested_bands(histories: Histories, key: str, reference_ids: Sequence[str],
                  limit: int | None = BANDS_PER_CHART) -> dict[str, Band]:
     """`{candidate: Band}` of `key` for a chart's `bands=`: `tested_band` of each diverged candidate in
     `divergences` (`{candidate: Divergence}`, as `Comparison.divergences[key]`) that has one, at most
-    `limit` (None: all), the first to alert (then the first onset) first: the chart's legend says how many
-    it shows (`band_note`). `config`: the verdicts' (None: `DivergenceConfig.from_env`, as `compare`); only
-    the candidates banded cost anything."""
+    `limit` (None: all), the first to alert (then the first onset) first: the chart's title says when it
+    shows fewer than could be (`figures.bands_shown_text`). `config`: the verdicts' (None:
+    `DivergenceConfig.from_env`, as `compare`); only the candidates banded cost anything."""
     config = config if config is not None else DivergenceConfig.from_env()
     refs = [t for t in histories.for_key(key, reference_ids).values() if len(t)] if reference_ids else []
     out = {}

@@ -28,8 +28,8 @@ def band_traces(bands: Mapping[str, Band], shown: Mapping[str, Trace], colors: M
     steps in the step range, where that median exists (the window 60% full): trailing medians of a window
     move little from one step to the next (9 candidates x 8 metrics drew 130k of the Compare page's 178k
     points: half as many took a tenth off the page's CPU in the browser). One shape, not an upper edge and
-    a lower edge filled up to it: plotly.js's cost a trace (defaults, array attributes, a path) was most
-    of its drawing time, and the band was two of the three traces a diverged candidate adds a panel."""
+    a lower edge filled up to it: plotly.js pays per trace (its defaults, a crawl of its array attributes, a
+    path), and the band was two of the three traces a diverged candidate added to a panel."""
     out: list[dict] = []
     for run, band in bands.items():
         if run not in shown or not len(band.steps):
