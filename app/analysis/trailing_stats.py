@@ -1,0 +1,206 @@
+"""The trailing statistics every part of the detector shares: rolling medians and means, a trailing
+window's median and its sd where the window is partly filled, impulse cleaning, the candidate's scale.
+
+Why:
+- A trailing window holding fewer points than its length (a run's first steps, after a gap) is tested
+  with the sd of a median of the points it holds (`partial_sd`), in the candidate as in the references'
+  own and left-out scores: a 3-step warm-up burst in the first 6 points no longer reads as a shift.
+  Where such a window holds an even count, its statistic is the middle point nearer the centre, not the
+  mean of the two (`_even_toward_zero`): a burst of half its points makes one of them. Measured on
+  bench.divergence_length `warmup` with 2-4 references (tuning seeds, 1k steps 0-239 and 10k 0-39): of 8
+  flagged at steps 5-6, 3 no longer are; the 5 left hold 4 outlying points of 6-7 (a burst and a spike).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from rldiag.app.analysis.calibration import ar_mean_var
+from rldiag.app.analysis.onsets import quiet
+from rldiag.app.analysis.rolling_median import rolling_median
+
+_MAD = 1.4826  # MAD -> standard deviation for normal noise
+
+
+def median_var(phi: float) -> float:
+    """Variance of a window's median / of its mean: pi/2 for independent normal points, nearer 1 the
+    more alike neighbours are (simulated: 1.49, 1.27, 1.18, 1.09 at phi 0, 0.3, 0.6, 0.85)."""
+    return 1.0 + 0.5 * (1.0 - phi)
+
+
+def rolling(a: np.ndarray, w: int, how: str, *, center: bool, min_periods: int = 1) -> np.ndarray:
+    if how == "median":  # pandas' values, by a rank filter where windows are full and finite
+        return rolling_median(a, w, center=center, min_periods=min_periods)
+    frame = pd.DataFrame(a)
+    r = frame.rolling(w, center=center, min_periods=min(min_periods, w))
+    out = getattr(r, how)().to_numpy()
+    return out[:, 0] if np.ndim(a) == 1 else out
+
+
+def _mad(x: np.ndarray) -> float:
+    x = x[np.isfinite(x)]
+    if len(x) < 2:
+        return float("nan")
+    return float(_MAD * np.median(np.abs(x - np.median(x))))
+
+
+def ar_diff_var(q: int, p: int, phi: float) -> float:
+    """Variance of (mean of the last `q` points - mean of the `p` before them), unit-variance AR(1)."""
+    idx = np.arange(q + p)
+    cov = phi ** np.abs(idx[:, None] - idx[None, :]) if phi > 0 else np.eye(q + p)
+    w = np.r_[-np.ones(p) / p, np.ones(q) / q]
+    return float(w @ cov @ w)
+
+
+def thin_mean_var(m: int, phi: float, fill: float = 1.0) -> float:
+    """`ar_mean_var` where each of the `m` steps holds a point with probability `fill` (the two-part
+    comparison's zeros are left out): fewer points, as correlated as their steps. Averaged over which
+    steps hold one, (1/(f m)^2) (f m + f^2 (m^2 ar_mean_var - m)) = ar_mean_var + (1 - f) / (f m)."""
+    return ar_mean_var(m, phi) + (1 - fill) / (fill * m)
+
+
+def thinned_phi(phi: float, fill: float) -> float:
+    """Lag-1 autocorrelation of AR(1) points once each step holds one with probability `fill` (the
+    two-part comparison's zeros left out), counted in points: E[phi^gap] over geometric gaps. Points d
+    apart correlate as its d-th power, so the kept points are AR(1) with it."""
+    return fill * phi / (1 - (1 - fill) * phi) if fill < 1 else phi
+
+
+def clean_impulses(r: np.ndarray, phi: float, innov_sd: float, clip: float) -> np.ndarray:
+    """The residual `r` with the echo of each impulse taken out: AR(1) innovations (r_t - phi r_(t-1))
+    beyond `clip` innovation sd are cut back to it, and what was cut is removed from the steps after as
+    the noise would carry it (phi^k after k steps). So one huge heavy-tailed innovation is one point, as
+    an isolated spike is, and not a 10-20-step geometric excursion that the trailing medians read as a
+    shift: 3 of the 4 no-change 100k-step candidates flagged (phi 0.75, t(3)/t(5)) were such echoes of
+    a 30-70 sd innovation. A lasting shift is kept: its first innovation may be cut, but each later one
+    carries (1 - phi) of it, which rebuilds the level at the noise's own pace (a 5-sd shift at phi 0.85
+    loses ~0.8 sd of it 5 steps on). Causal (each step uses the ones before), so a prefix of a run is
+    cleaned as the whole run is; a point with no finite one before it is judged alone (below).
+    `DivergenceConfig.impulse_clip`, off by default: what each setting costs is in README. At 10, with the
+    references' centre cleaned too, bench.divergence_length's tuning seeds go from 41 to 25 false alarms of
+    368 and 30 to 15 early alerts of 460; bench.divergence_quality's held-out seeds 40-119 lose one 3-sd
+    shift (5 -> 6 missed of 80), false and early alarms as they were (6, 7)."""
+    if not (clip > 0 and innov_sd > 0 and phi > 0) or len(r) < 2:
+        return r
+    from scipy.signal import lfilter
+
+    # a point with no finite one before it (the run's first, the first after a gap) is judged on its own,
+    # its deviation in the stationary sd (innov_sd / sqrt(1 - phi^2)): a spike there is cut to a point,
+    # not left in to make the next innovation (-phi times it) read as a shock the other way
+    ar = np.sqrt(1.0 - min(phi, 0.99) ** 2)
+    u = np.empty(len(r))
+    u[0] = r[0] * ar
+    with quiet():
+        u[1:] = np.where(np.isfinite(r[:-1]), r[1:] - phi * r[:-1], r[1:] * ar)
+    lim = clip * innov_sd
+    excess = np.where(np.isfinite(u), u - np.clip(u, -lim, lim), 0.0)
+    alone = np.r_[True, ~np.isfinite(r[:-1])]
+    excess[alone] /= ar  # back in the residual's units
+    if not excess.any():
+        return r
+    return r - lfilter([1.0], [1.0, -phi], excess)
+
+
+def points(x: np.ndarray, compress: bool) -> np.ndarray:
+    """`x`'s finite points alone where `compress` (the two-part comparison: windows count points, so a
+    burst of fewer than half a window's points cannot move its median, whatever the zeros around it)."""
+    return x[np.isfinite(x)] if compress else x
+
+
+# A trailing window reports once half of it is filled (at a run's start, and for the shortest window in
+# a short run): 6 points of 11, a majority, so 5 outliers in a row cannot make its median. 0.6 (7 of 11)
+# found departures from step 0 a step later (median 6 steps, 5 now) with no false or early alarm fewer on
+# bench.divergence_quality's seeds, held-out seeds or 100k-step runs.
+MIN_FILL = 0.5
+
+
+def min_points(m: int) -> int:
+    """Points a trailing window of `m` needs before it reports."""
+    return max(1, int(np.ceil(MIN_FILL * m - 1e-9)))
+
+
+def _trailing_median(x: np.ndarray, m: int) -> np.ndarray:
+    """Median of the last `m` finite points up to each index (NaN until `min_points(m)` are there); where
+    the window holds an even count, the middle point nearer 0 (`_even_toward_zero`)."""
+    med = rolling(x, m, "median", center=False, min_periods=min_points(m))
+    return _even_toward_zero(x, m, med)
+
+
+def _even_toward_zero(x: np.ndarray, m: int, med: np.ndarray) -> np.ndarray:
+    """Trailing medians of a residual `x` where their window holds an even count of points: the one of the
+    two middle points nearer 0 (0 where they straddle it), not their mean. A burst of half a window's
+    points makes one middle point: a window half full at a run's start (6 points of 11) holding a 3-step
+    warm-up burst of 4-8 sd had its mean of the middle points at 3-4 sd of noise, 6-8 sd of the median's
+    (bench.divergence_length `warmup`, tuning seeds 90 and 197 at 1k steps, 21 at 10k: 2-4 references, at
+    most one with a burst of its own; flagged at step 5); the nearer point is a clean one. A real shift
+    moves both middle points, so it still shows (`bench.divergence_quality`'s shifts from step 0: same
+    times to alert). Cost: a sort of each such window's points (a run's first steps; every other step of
+    a run with gaps), no slower on 100k-step runs."""
+    c = np.cumsum(np.isfinite(x))
+    c[m:] -= c[:-m].copy()
+    idx = np.flatnonzero((c % 2 == 0) & np.isfinite(med))
+    if not idx.size:
+        return med
+    pad = np.r_[np.full(m - 1, np.nan), x]
+    out = med.copy()
+    for lo in range(0, idx.size, max(1, 2_000_000 // m)):  # bounded memory where a gappy run has many
+        rows = idx[lo:lo + 2_000_000 // m]
+        win = np.sort(np.lib.stride_tricks.sliding_window_view(pad, m)[rows], axis=1)  # NaN last
+        k = c[rows]
+        r = np.arange(len(rows))
+        lower, upper = win[r, k // 2 - 1], win[r, k // 2]
+        out[rows] = np.where(lower > 0, lower, np.where(upper < 0, upper, 0.0))
+    return out
+
+
+def partial_sd(x: np.ndarray, m: int, phi: float, full_sd: float, own_sd: float) -> np.ndarray | float:
+    """Per index, the no-change sd of the trailing m-median of `x` given how many finite points its
+    window holds: `full_sd` with its own-noise part (`own_sd`, a full window's) grown to a window of c
+    points' (ar_mean_var(c) for ar_mean_var(m)). A window of 6 points at a run's start (or after a gap)
+    was tested with the sd of 11: its median's sd is 1.2-1.4x that, so a normal 3-step burst in a run's
+    first steps (a gradient norm's warm-up) read as 6-8 sd (bench.divergence_length, `warmup`: 7 of 60
+    no-change 1k-step candidates flagged at step 5)."""
+    if not own_sd > 0:
+        return full_sd
+    c = np.cumsum(np.isfinite(x))
+    c[m:] -= c[:-m].copy()  # finite points in each trailing window of m
+    full_var = ar_mean_var(m, phi)
+    table = np.array([ar_mean_var(max(k, 1), phi) / full_var - 1.0 for k in range(m + 1)])
+    return np.sqrt(full_sd**2 + own_sd**2 * table[c])
+
+
+def trailing_mean(x: np.ndarray, m: int) -> np.ndarray:
+    """Mean of the finite points among the last `m` up to each index (NaN until `min_points(m)`)."""
+    return rolling(x, m, "mean", center=False, min_periods=min_points(m))
+
+
+def candidate_scale(cand: np.ndarray, window: int, carry: np.ndarray | None = None) -> np.ndarray:
+    """Trailing robust sd of the candidate's first differences over `window` points (NaN until 2/3 full).
+
+    `carry` (the two-part comparison: where the candidate is exactly 0, left out): the differences are
+    between consecutive finite points, and at `carry` steps the scale is the last one before them."""
+    if carry is not None:
+        return _carried(cand, carry, lambda x: candidate_scale(x, window))
+    d = np.abs(np.diff(cand, prepend=np.nan))
+    return _MAD * rolling(d, window, "median", center=False, min_periods=max(3, 2 * window // 3))
+
+
+def abs_diffs(cand: np.ndarray, carry: np.ndarray | None = None) -> np.ndarray:
+    """|first differences| (what the variance onset weighs); with `carry`, between consecutive finite points."""
+    if carry is not None:
+        return _carried(cand, carry, abs_diffs, fill=False)
+    return np.abs(np.diff(cand, prepend=np.nan))
+
+
+def _carried(cand: np.ndarray, carry: np.ndarray, f, fill: bool = True) -> np.ndarray:
+    """`f` of the candidate's finite points alone, put back at their steps; at `carry` steps the value of
+    the last finite step before (NaN with `fill=False`)."""
+    ok = np.isfinite(cand)
+    out = np.full(len(cand), np.nan)
+    out[ok] = f(cand[ok])
+    if fill:
+        last = np.maximum.accumulate(np.where(ok, np.arange(len(cand)), -1))
+        at = carry & ~ok & (last >= 0)
+        out[at] = out[last[at]]
+    return out
