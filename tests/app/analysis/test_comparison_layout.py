@@ -10,7 +10,10 @@ from pathlib import Path
 APP = Path(__file__).resolve().parents[3] / "app"
 PRODUCTS = ("report", "dashboard", "watch")
 # the comparison's own parts: only `compare` puts them together
-FORBIDDEN_MODULES = {"rldiag.app.analysis.detector", "rldiag.app.analysis.causes_signatures"}
+# the detector and its parts (02d0990 split it), and the causes' signatures
+FORBIDDEN_MODULES = {f"rldiag.app.analysis.{m}" for m in (
+    "detector", "reference_model", "reference_bars", "trailing_stats", "noise_transforms", "zero_rate",
+    "causes_signatures")}
 FORBIDDEN_NAMES = {"compare_runs", "summarize", "likely_causes", "detect_divergence", "compute_band",
                    "with_overflow_hints", "with_truncation_hints", "departures_after_updates", "nonfinite_signature"}
 
