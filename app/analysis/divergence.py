@@ -1,7 +1,8 @@
 """Where a candidate run leaves its reference: per metric, every stretch it spends outside the
 references' noise, when a watcher would first know, and by how much (metric units first).
 
-The test (`rldiag.app.analysis.detector`, whose docstring says why each piece is there):
+The test (`rldiag.app.analysis.detector`, whose docstring maps its parts; each part's module says why
+each of its rules is there):
 - centre: the median across reference seeds of each seed's centred rolling median (`window` steps);
 - the candidate's residual from the centre, in the metric's units, or as logs for positive
   heavy-tailed metrics (KL, clip rate, grad norm) whose noise is symmetric there;
