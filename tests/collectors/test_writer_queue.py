@@ -74,7 +74,10 @@ def test_close_deadline_during_a_burst_of_a_million_points_counts_every_one(sqli
     stats = w.close(timeout=0.5)
     print(f"\nclose deadline in a burst of 10^6 points: {stats.ledger()}")
     assert stats.logged == 1_000_000 and stats.balance() == 0, stats.ledger()
-    assert stats.lost_at_close > 0  # the deadline caught points in the queue or the ingest thread's hands
+    # the deadline caught points in the queue or the ingest thread's hands; or, where the logging loop ran slower
+    # than the ingest thread (a loaded machine: seen once, beside another test run), the whole queue was already
+    # journaled or stored when close() came: which one is timing, the ledger below holds either way
+    assert stats.lost_at_close > 0 or stats.delivered + stats.journaled == stats.enqueued, stats.ledger()
     for t in w._threads:
         t.join(120)  # the sender's last call lands (or not) before the store is read
     in_store = stored(sqlite_uri, run_id)

@@ -63,7 +63,7 @@ def test_the_experiments_runs_get_one_verdict_in_the_report_the_page_and_the_wat
     at.sidebar.multiselect(key="sidebar.reference").set_value(refs)
     at.sidebar.multiselect(key="sidebar.candidates").set_value([ids[n] for n in expected]).run()
     assert not at.exception, [e.value for e in at.exception]
-    [table] = [m.value for m in at.markdown if "<th>departs</th>" in m.value]
+    [table] = [m.value for m in at.html if "<th>departs</th>" in m.value]
     assert _html_rows(table) == expected
 
     # the watcher: the first alert of each NaN run, at the step the verdict's "departs" names, in its words

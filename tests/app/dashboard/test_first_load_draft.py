@@ -68,7 +68,7 @@ def test_a_first_load_draws_the_charts_then_the_marks_and_verdicts(dash_store, m
     # what the page ends with: the full grid alone, the verdicts above it, no word of the wait
     assert len(at.get("bidi_component")) == 1 and _names(panels(drawn[1][1])) == {
         t["name"] for ts in figures(at).values() for t in ts}
-    assert [m for m in at.markdown if "<th>departs</th>" in m.value]
+    assert [m for m in at.html if "<th>departs</th>" in m.value]
     assert not [c for c in at.caption if WAITING in c.value]
 
     # a rerun of the session: from memory, drawn once
