@@ -44,12 +44,12 @@ def _gap(v, c, log: bool):
         return np.log(v / c) if log else v - c
 
 
-def drift_edge(refs, cand, base_values: np.ndarray, at: int, config) -> int | None:
-    """The first step from `at` on where the drift alone (changed minus unchanged) passes the band's edge."""
-    b = _band(refs, cand, config)
-    if b is None:
+def drift_edge(band, cand, base_values: np.ndarray, at: int) -> int | None:
+    """The first step from `at` on where the drift alone (changed minus unchanged) passes the edge of `band`
+    (`_band`'s)."""
+    if band is None:
         return None
-    steps, _, up, down, log = b
+    steps, _, up, down, log = band
     idx = np.searchsorted(cand.steps, steps)
     drift = _gap(cand.values[idx], base_values[idx], log)
     with np.errstate(invalid="ignore"):
@@ -57,14 +57,11 @@ def drift_edge(refs, cand, base_values: np.ndarray, at: int, config) -> int | No
     return int(steps[hit[0]]) if len(hit) else None
 
 
-def before_first_out(refs, cand, d, config) -> bool | None:
-    """Whether the candidate's point at a level onset is inside the band (None: not a level departure)."""
-    if d.first is None or d.first.kind != "level":
+def before_first_out(band, cand, d) -> bool | None:
+    """Whether the candidate's point at a level onset is inside `band` (`_band`'s; None: not a level departure)."""
+    if d.first is None or d.first.kind != "level" or band is None:
         return None
-    b = _band(refs, cand, config)
-    if b is None:
-        return None
-    steps, center, up, down, log = b
+    steps, center, up, down, log = band
     i = np.flatnonzero(steps == d.onset_step)
     if not len(i):
         return None
@@ -74,9 +71,12 @@ def before_first_out(refs, cand, d, config) -> bool | None:
 
 def score(refs, cand, at: int, d, config, kind: str, base_values: np.ndarray | None) -> dict:
     """One changed candidate's onset figures: error, from the drift's edge (a drift), before the first point out."""
-    edge = drift_edge(refs, cand, base_values, at, config) if kind == "drift" and base_values is not None else None
+    drift = kind == "drift" and base_values is not None
+    level = d.first is not None and d.first.kind == "level"
+    band = _band(refs, cand, config) if drift or level else None  # five compute_band calls: once per candidate
+    edge = drift_edge(band, cand, base_values, at) if drift else None
     return {"error": int(d.onset_step - at), "from_edge": None if edge is None else int(d.onset_step - edge),
-            "before_out": before_first_out(refs, cand, d, config)}
+            "before_out": before_first_out(band, cand, d)}
 
 
 def summarise(scored: list[dict]) -> dict:

@@ -209,7 +209,6 @@ def evaluate(lengths: dict[int, int], config: DivergenceConfig, seeds_from: int 
                       "median_time_to_alert": float(np.median(got)) if got else None,
                       "median_onset_error": float(np.median(errors)) if errors else None,
                       "onset_over_10_early": sum(e < -10 for e in errors), "onset": _onsets.summarise(onsets),
-                      "onsets_before_first_out": sum(o["before_out"] is True for o in onsets),
                       "onset_errors": errors, "delays": got}
             r["which"] = which
             row[kind] = r
@@ -246,7 +245,8 @@ def totals(res: dict) -> dict:
             "median_onset_error_no_drift": float(np.median(errors)) if errors else None,
             "onset_over_10_early": sum(e < -10 for e in errors),  # drift left out: bench._onsets
             "worst_onset_early": min(errors, default=None),
-            "onsets_before_first_out": sum(r.get("onsets_before_first_out", 0) for k, r in rows if k != "drift"),
+            "onsets_before_first_out": sum(r["onset"]["before_first_out"] for k, r in rows
+                                           if k != "drift" and "onset" in r),
             "onsets_scored": len(errors)}
 
 

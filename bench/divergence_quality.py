@@ -131,7 +131,6 @@ def evaluate(per_kind: int, config: DivergenceConfig | None = None, first_seed: 
         if change not in NO_CHANGE:
             out["rldiag"]["onset"] = _onsets.summarise(onsets)
             out["rldiag"]["onset_errors"] = [o["error"] for o in onsets]
-            out["rldiag"]["onsets_before_first_out"] = sum(o["before_out"] is True for o in onsets)
         if change in LEVEL_SHIFTS:
             out["rldiag"]["missed_said"] = sum(said)  # misses whose "a lasting shift under X" held X >= the shift
         rows[change] = out
@@ -210,7 +209,8 @@ def _onset_row(res: dict, label: str) -> dict:
     """Summary row: onset error pooled over the changed kinds but drift (no sharp start: bench._onsets), its
     worst early, how many > 10 steps early and how many before the first point out of the band."""
     errors = [e for c, r in res.items() if c != "drift" for e in r["rldiag"].get("onset_errors", [])]
-    before = sum(r["rldiag"].get("onsets_before_first_out", 0) for c, r in res.items() if c != "drift")
+    before = sum(r["rldiag"]["onset"]["before_first_out"] for c, r in res.items()
+                 if c != "drift" and "onset" in r["rldiag"])
     med = float(np.median(errors)) if errors else None
     early = sum(e < -10 for e in errors)
     return summary_row(f"divergence, {label}: onset error (onset - change step), changed kinds but drift",
