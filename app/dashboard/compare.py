@@ -49,7 +49,8 @@ from rldiag.collectors import keys
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
 # Line points per run and chart (300 buckets, each its min and max: every spike and dip is kept); a band trace
 # takes half as many (app/plots/marks.py). A half-width panel is about 520 px wide: a bucket is under 2 px.
-# 1200 drew 355k points for 10 runs x 8 metrics with 9 candidates' bands, 600 draws 113k (bench.dashboard_load).
+# 1200 drew 355k points for 10 runs x 8 metrics with 9 candidates' bands, 600 drew 113k, and 70k since a chart
+# shades at most 3 bands (comparison.BANDS_PER_CHART; bench.dashboard_load).
 CHART_POINTS = 600
 
 

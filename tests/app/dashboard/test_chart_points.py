@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 
 import numpy as np
@@ -13,6 +12,7 @@ from rldiag.app.dashboard import chart_grid, compare
 from rldiag.app.data.trace import Trace
 from rldiag.app.plots.figures import ChartOptions, metric_figure
 from rldiag.app.plots.grid_figure import grid_figure
+from tests.helpers.dashboard import array as _array
 
 STEPS = 100_000
 
@@ -20,13 +20,6 @@ STEPS = 100_000
 def _trace(run: str, values: np.ndarray) -> Trace:
     return Trace(run, "grad/norm", "grad/norm", np.arange(len(values), dtype=np.int64), values,
                  np.zeros(len(values), np.int64))
-
-
-def _array(v) -> np.ndarray:
-    """A plotly JSON array: a list, or plotly >= 6's {"dtype", "bdata"} (base64)."""
-    if isinstance(v, dict):
-        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"]))
-    return np.asarray(v, dtype=float)
 
 
 def _page_figure() -> dict:
