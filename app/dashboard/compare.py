@@ -55,12 +55,14 @@ CHART_POINTS = 600
 
 
 def _controls(sel: Selection, available: list[str]) -> tuple[list[str], ChartOptions, bool]:
-    """The page's controls; returns the metrics to draw, the chart options and whether to refresh live."""
+    """The page's controls, in one row above the verdicts (Chart options, Live refresh, Fetch new points); returns
+    the metrics to draw, the chart options and whether to refresh live."""
     # what a headline prefers too (`divergence.HEADLINE_METRICS`): the report names the metric this page does
     defaults = [k for k in HEADLINE_METRICS if k in available] or available[:8]
+    row = st.container(horizontal=True, vertical_alignment="center")
     # a popover, not an expander: the browser mounts a popover's widgets only when it opens, an expander's on
     # every page load, collapsed or not (bench.dashboard_load: 0.12 s of the renderer's 1.93 s CPU a warm load)
-    with st.popover("Chart options"):
+    with row.popover("Chart options"):
         chosen = st.multiselect("Metrics", available, default=defaults, key="compare.metrics")
         c1, c2, c3 = st.columns(3)
         delta = c1.toggle("Delta vs reference", key="compare.delta", disabled=not sel.reference_ids,
@@ -72,15 +74,15 @@ def _controls(sel: Selection, available: list[str]) -> tuple[list[str], ChartOpt
         first_step, last_step = (0, last)
         if last > 0:
             first_step, last_step = st.slider("Step range", 0, last, (0, last), key="compare.steps")
-    live_default = sel.running
-    c1, c2 = st.columns([1, 3])
-    live = c1.toggle("Live refresh", value=live_default, key="compare.live", disabled=not sel.running,
-                     help="Fetch new points while a picked run is RUNNING (only what is new is read)")
+    live = row.toggle("Live refresh", value=sel.running, key="compare.live", disabled=not sel.running,
+                      help="Fetch new points while a picked run is RUNNING (only what is new is read)")
+    if row.button("Fetch new points", key="compare.refresh", help="Read rows written since the last load"):
+        st.session_state["compare.force"] = True
     options = ChartOptions(delta=delta and bool(sel.reference_ids), smoothing=smoothing, log_y=log_y,
                            first=first_step if first_step > 0 else None,
                            last=last_step if last and last_step < last else None, n_points=CHART_POINTS)
     if live and sel.running:
-        c2.caption(f"Refreshing every {_interval()} s while a picked run is RUNNING.")
+        row.caption(f"Refreshing every {_interval()} s while a picked run is RUNNING.")
     return chosen, options, live and sel.running
 
 
@@ -291,8 +293,6 @@ def render() -> None:
     if not metric_keys:
         st.info("Pick at least one metric under Chart options.")
         return
-    if st.button("Fetch new points", key="compare.refresh", help="Read rows written since the last load"):
-        st.session_state["compare.force"] = True
 
     @st.fragment(run_every=_interval() if live else None)
     def charts() -> None:
