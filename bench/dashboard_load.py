@@ -24,7 +24,8 @@ the server `rldiag app` starts (`rldiag.app.dashboard.serve`), with a fresh disk
 - then "cold" and "warm" again, with another process using one core (`python -c 'while 1: pass'`, as a
   training job or a test run beside the dashboard would): the same goals (`--no-busy` skips it).
 The server's start (launch to healthy) and the machine's load average before each server are reported
-beside them. The first load must show its progress bar (runs and points read) before any chart: the
+beside them, and the CPU seconds other processes used during each session (`others_cpu`: every process but
+this one and its descendants): the busy-core figure is only that where this is near 0. The first load must show its progress bar (runs and points read) before any chart: the
 seconds until it shows are reported. Each load's timeline is printed:
 seconds to the websocket connected, the script run started and finished (as the page shows them) and
 every chart drawn, with the chart component's own marks (app/dashboard/static/chart_grid.js): when it
@@ -204,6 +205,32 @@ def group_cpu_s(group: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def others_cpu() -> dict[int, float]:
+    """CPU seconds so far of every live process that is not this one or its descendants (the server, the
+    browser, Playwright's driver, the busy core): other work on the machine (Linux /proc)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        stats[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    me, out = os.getpid(), {}
+    for pid, (_, cpu) in stats.items():
+        p, seen = pid, 0
+        while p in stats and p != me and seen < 64:  # up the parents to init, or to this process
+            p, seen = stats[p][0], seen + 1
+        if p != me:
+            out[pid] = cpu
+    return out
+
+
+def others_cpu_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds other work used between two `others_cpu` snapshots (processes alive at the second; one that
+    started and ended between them is missed)."""
+    return round(sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items()), 1)
+
+
 def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float, progress: bool = False,
               server_group: int | None = None, context=None) -> tuple[float, dict, list[dict]]:
     """Seconds from navigation until `n_charts` panels hold every run's line; the load's timeline
@@ -283,11 +310,14 @@ def timed_session(uri: str, log: Path, cache_dir: Path, plan: dict[str, dict], n
     one core when `busy`); the timings, timelines and whether every NaN and spike was drawn."""
     runs = list(plan)
     load_before = load_average()
+    others, t0 = others_cpu(), time.monotonic()
     with busy_core(busy):
         start, timed = server_loads(uri, log, cache_dir, runs, n_charts, 1 + loads, same_browser=loads)
+    others = {"cpu_s": others_cpu_s(others, others_cpu()), "in_s": round(time.monotonic() - t0, 1)}
     (cold, cold_marks, cold_charts), *rest = timed
     rest, same = rest[:loads], rest[loads:]
     label = "with one core busy" if busy else "no process of its own beside it"
+    print(f"[{label}] other work on the machine meanwhile: {others['cpu_s']} CPU seconds in {others['in_s']} s")
     print(f"[{label}, load average {load_before}] server up in {start:.2f} s; cold page load (new process, from "
           f"the disk cache): {cold:.2f} s {cold_marks}")
     for t, marks, _ in rest:
@@ -295,7 +325,7 @@ def timed_session(uri: str, log: Path, cache_dir: Path, plan: dict[str, dict], n
     for t, marks, _ in same:
         print(f"[{label}] warm page load, same browser: {t:.2f} s {marks}")
     visible, visible_cold = check_visible(rest[-1][2], plan), check_visible(cold_charts, plan)
-    return {"load_average_before": load_before, "server_start_s": start, "cold_s": cold, "cold_timeline_s": cold_marks,
+    return {"load_average_before": load_before, "other_work": others, "server_start_s": start, "cold_s": cold, "cold_timeline_s": cold_marks,
             "warm_s": [t for t, _, _ in rest], "warm_timelines_s": [m for _, m, _ in rest],
             "warm_median_s": statistics.median(t for t, _, _ in rest),
             "warm_cpu_median_s": {k: round(statistics.median(m[k] for _, m, _ in rest), 2) for k in CPU_KEYS
