@@ -9,7 +9,8 @@ each of its rules is there):
 - trailing medians of the residual over `windows` (5 to 129 points), each against the sd it has under
   no change: the references' point noise with its autocorrelation, the centre's own error and the
   seed-to-seed spread (estimated from the seeds; a prior of `seed_spread` noise sd where fewer seeds
-  tell); a departure is any window beyond `k` such sd (or beyond what the references' own bursts
+  tell, plus the slow wander each reference shows around its own trend on runs of `wander_span` steps
+  or more); a departure is any window beyond `k` such sd (or beyond what the references' own bursts
   reach on it, if more); it ends once that window is back under half its bar for a window's length;
 - also: the candidate's step-to-step noise `var_ratio` (or more) times the references' (`kind="variance"`),
   the candidate non-finite where the references are finite (`kind="nonfinite"`), and, for a metric the
@@ -80,6 +81,7 @@ class DivergenceConfig:
     detrend_window: int = 65  # steps of the wide smooth the noise is measured around
     seed_spread: float = 0.4  # prior seed-to-seed spread, in noise sd (all that 1 or 2 seeds can give)
     seed_spread_weight: float = 1.0  # the prior counts as this many seeds beside the references' estimate
+    wander_span: int = 8193  # steps of the trend each reference's own slow wander is measured around (0: not measured)
     calibration_margin: float = 1.1  # a window's bar >= this x the largest value the references reach on it
     var_ratio: float = 2.5  # candidate / reference step-to-step noise of a variance departure (at least: see var_bar)
     var_window: int = 31  # trailing steps over which the candidate's noise is measured

@@ -10,6 +10,20 @@ Why (measured on `bench.divergence_rl`, RL-like noise):
 - Seeds differ by a slow wander and a level offset: a window's null variance has a floor, the
   seed-to-seed spread, estimated from the references' smoothed curves (shrunk towards a prior of
   `seed_spread` noise sd, which is all a single reference can give).
+- One reference cannot show how far another seed sits from it, but a long one shows its own slow wander:
+  its level (medians of blocks as long as the longest window) moves around a trend much slower than it
+  (`own_wander`). With one reference the spread is the prior (the constant offset, still unmeasured:
+  `reference_note`) plus that wander; with 2 or more the between-seed estimate holds it already (shrunk
+  towards the prior as before, at least the wander: measured, no change on 2-reference slices).
+  bench.divergence_length, tuning seeds, one reference forced (`--refs 1 --lengths 10000,100000 --kinds
+  none,jump,warmup,wander`): 20 -> 14 flagged of 128; on 60/24 seeds of none,wander the 2-3 sd departures
+  of a window of 41-129 lasting hundreds of steps went from 9 to 2 of 168 (the others are jump echoes on
+  11-21 windows). The price (`--kinds level3,level5,drift`): level3's median time to alert 21 -> 28
+  steps (10k) and 72 -> 77 (100k), drift 125 -> 132 and 131 -> 138, no miss; a 3-sd shift is near the
+  smallest one reference can tell from seeds' wander at alpha over 10k steps (--quick: one such seed,
+  phi 0, wander 0.31 sd, 65 -> 480 steps). The trend: a local quadratic over `wander_span` steps (8193;
+  4097 saw about 0.6 of a rho-0.999 wander's sd, 8193 about 0.8); runs shorter than it keep the prior
+  alone (a quadratic over a whole short run misreads the trend's curvature as wander).
 """
 
 from __future__ import annotations
@@ -136,7 +150,10 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         else:
             est = 0.0
         prior, k0 = (config.seed_spread * sigma) ** 2, config.seed_spread_weight
-        spread = float(np.sqrt(((n - 1) * est + k0 * prior) / (n - 1 + k0)))
+        # The prior is the seeds' constant offset, which one seed cannot show; the slow wander it can show
+        # (`own_wander`) is measured and added to it, the estimate between seeds (2+) shrunk towards the sum.
+        wander = 0.0 if split else own_wander(vals, config, sigma, phi)
+        spread = float(np.sqrt(prior + wander if n < 2 else max(((n - 1) * est + k0 * prior) / (n - 1 + k0), wander)))
         scale_of_level = float(np.nanmedian(np.abs(center))) if np.isfinite(center).any() else 1.0
         # windows count points: where zeros are left out, a window's points are thinned steps
         phi_w = thinned_phi(phi, fill)
@@ -250,6 +267,54 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
                        diff_scale, var_bar, change_bar, fill, innov_sd, tuple(owns))
     ref_ok = np.isfinite(raw).any(axis=1) if raw.shape[1] else np.zeros(len(steps), bool)
     return RefModel(steps, vals, center, log_floor, noise, ref_ok, zeros, q)
+
+
+def own_wander(vals: np.ndarray, config, sigma: float, phi: float) -> float:
+    """The slow wander the references themselves show: the variance of each seed's level (medians of
+    consecutive blocks as long as the longest tested window) around a local quadratic trend over
+    `config.wander_span` steps, less the part its own fast noise explains (AR(1): `ar_mean_var`); the mean
+    over seeds. 0 where a run holds fewer points than the span (its wander cannot be told from its trend)."""
+    m = config.windows[-1]
+    blocks = vals.shape[0] // m
+    if config.wander_span <= 0 or blocks < 3:
+        return 0.0
+    with quiet():
+        per_block = vals[:blocks * m].reshape(blocks, m, vals.shape[1])
+        finite = np.isfinite(per_block).sum(axis=1)
+        level = (np.median(per_block, axis=1) if (finite == m).all()  # nanmedian only where needed: 5x slower
+                 else np.where(finite > m // 2, np.nanmedian(per_block, axis=1), np.nan))
+    noise = median_var(phi) * sigma**2 * ar_mean_var(m, phi)
+    span = max(config.wander_span // m, 3) | 1  # in blocks
+    out = []
+    for j in range(vals.shape[1]):
+        if np.isfinite(vals[:, j]).sum() < config.wander_span:
+            continue
+        dev = level[:, j] - local_quadratic(level[:, j], span)
+        if np.isfinite(dev).sum() > 2:
+            out.append(max(float(np.nanmean(dev**2)) - noise, 0.0))
+    return float(np.mean(out)) if out else 0.0
+
+
+def local_quadratic(x: np.ndarray, span: int) -> np.ndarray:
+    """At each point, the least-squares quadratic through the finite points of the `span` points centred
+    on it (clipped to the run; NaN where it holds under span / 4), from cumulative sums: O(len(x))."""
+    n = len(x)
+    ok = np.isfinite(x)
+    t = (np.arange(n) - n / 2) / span  # scaled: moments of order 4 stay well inside float64
+    cum = [np.concatenate([[0.0], np.cumsum(np.where(ok, w, 0.0))]) for w in
+           [t**k for k in range(5)] + [x * t**k for k in range(3)]]
+    i = np.arange(n)
+    lo, hi = np.maximum(i - span // 2, 0), np.minimum(i + span // 2 + 1, n)
+    raw = [a[hi] - a[lo] for a in cum]
+    # moments about each point: sum (t - t_i)^k = sum_j C(k, j) t^j (-t_i)^(k - j)
+    binom = ((1,), (1, 1), (1, 2, 1), (1, 3, 3, 1), (1, 4, 6, 4, 1))
+    mom = [sum(b * raw[j] * (-t) ** (k - j) for j, b in enumerate(binom[k])) for k in range(5)]
+    rhs = [sum(b * raw[5 + j] * (-t) ** (k - j) for j, b in enumerate(binom[k])) for k in range(3)]
+    out = np.full(n, np.nan)
+    good = mom[0] >= max(3, span // 4)
+    a = np.stack([np.stack([mom[r + q] for q in range(3)], -1) for r in range(3)], -2)[good]
+    out[good] = np.linalg.solve(a, np.stack(rhs, -1)[good][..., None])[:, 0, 0]
+    return out
 
 
 def _interpolate(x: np.ndarray) -> np.ndarray:
