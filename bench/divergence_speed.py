@@ -96,19 +96,23 @@ def before_modules(rev: str):
 
 
 def load_rev(rev: str) -> dict:
-    """The detector and divergence modules as commit `rev` had them, loaded from git."""
+    """The detector and divergence modules as commit `rev` had them, loaded from git with every module of
+    app/analysis at `rev` beside them (a package `_before_analysis`: since the detector's split, 02d0990, its
+    parts are modules of their own, which a copy of detector.py alone would take from the current tree)."""
     tmp = Path(tempfile.mkdtemp(prefix="rldiag-before-"))
-    mods = {}
-    for name in ("detector", "divergence"):
-        src = subprocess.run(["git", "show", f"{rev}:app/analysis/{name}.py"], cwd=ROOT, check=True,
+    pkg = tmp / "_before_analysis"
+    pkg.mkdir()
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:app/analysis"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in (n for n in names if n.endswith(".py")):
+        src = subprocess.run(["git", "show", f"{rev}:app/analysis/{name}"], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout
-        src = src.replace("from rldiag.app.analysis.detector import", "from _before_detector import")
-        (tmp / f"_before_{name}.py").write_text(src)
-        spec = importlib.util.spec_from_file_location(f"_before_{name}", tmp / f"_before_{name}.py")
-        mods[name] = importlib.util.module_from_spec(spec)
-        sys.modules[f"_before_{name}"] = mods[name]
-        spec.loader.exec_module(mods[name])
-    return mods
+        (pkg / name).write_text(src.replace("rldiag.app.analysis", "_before_analysis"))
+    sys.path.insert(0, str(tmp))
+    try:
+        return {name: importlib.import_module(f"_before_analysis.{name}") for name in ("detector", "divergence")}
+    finally:
+        sys.path.remove(str(tmp))
 
 
 def _timed(compare, ref_model, config, h, refs, cands) -> tuple[float, dict]:
