@@ -291,9 +291,11 @@ def reference_note(n_references: int, config: DivergenceConfig = DivergenceConfi
     """What a band of one reference run cannot tell ("" for 2 or more): how far seeds differ."""
     if n_references != 1:
         return ""
+    wander = (f", plus the slow wander the reference itself shows where it has {config.wander_span:,} steps or more"
+              if config.wander_span > 0 else "")
     return (f"One reference run: how far seeds differ cannot be measured, so the band assumes "
-            f"{config.seed_spread:g} noise sd (seed_spread); a slow level departure may be seed-to-seed "
-            "variation. Two or more reference seeds measure it.")
+            f"{config.seed_spread:g} noise sd (seed_spread) for the offset between seeds{wander}; a slow level "
+            "departure may be seed-to-seed variation. Two or more reference seeds measure it.")
 
 
 def detectable_text(verdicts: Sequence[Divergence]) -> str:

@@ -371,6 +371,9 @@ def test_a_single_reference_says_what_it_cannot_tell():
 
     note = reference_note(1, DivergenceConfig(seed_spread=0.6))
     assert note.startswith("One reference run: how far seeds differ cannot be measured, so the band assumes 0.6 noise sd")
+    # the slow wander a long reference shows is measured (reference_model.own_wander), and the note says where
+    assert "plus the slow wander the reference itself shows where it has 8,193 steps or more" in note
+    assert "wander" not in reference_note(1, DivergenceConfig(wander_span=0))
     assert reference_note(2) == reference_note(3) == ""
 
 
