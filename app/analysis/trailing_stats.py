@@ -13,6 +13,8 @@ Why:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -143,9 +145,10 @@ def _impulse_cuts(u: np.ndarray, alone: np.ndarray, phi: float, ar: float, lim: 
         a = float(u[s] - level * adj[s] + back[s])
         if not abs(a) > lim or s + 1 >= n:
             continue
-        cut, size = (a - np.clip(a, -lim, lim)) / unit[s], a / unit[s]
+        scale = float(unit[s])
+        cut, size = (a - max(-lim, min(lim, a))) / scale, a / scale
         v = float(u[s + 1] - level * adj[s + 1] + back[s + 1])
-        if alone[s + 1] or not np.isfinite(v):
+        if alone[s + 1] or not math.isfinite(v):
             continue  # nothing after it to tell what it was: left as it is
         # a shift is told from a jump in one step only where (1 - phi) of it is beyond the clip: at phi 0.8-0.85
         # a 12-sd jump's next innovation was 3-4 sd (the noise plus phi's error times it), nearer a shift's 4.4
