@@ -88,7 +88,7 @@ class DivergenceConfig:
     var_persist: int = 9  # steps in a row it must be so: clustered spikes lift the scale for a few steps (README)
     nonfinite_persist: int = 3  # non-finite steps in a row that count where the references go non-finite too
     zero_seed_spread: float = 0.1  # two-part comparison: prior seed-to-seed spread of the zero rate, in sd of one step's 0/1
-    impulse_clip: float = 0.0  # > 0: noise innovations beyond this many (robust) sd are impulses, their echo taken out (off: README)
+    impulse_clip: float = 10.0  # innovations beyond this many robust sd: impulses, echo out (0: off; clean_impulses)
     alpha: float = 0.001  # false-alarm probability per candidate and metric over the run that sets the bars (0: fixed bars)
     min_delta: float = 0.0  # a departure must exceed this, in metric units
     rel_delta: float = 0.0  # ... and this fraction of the reference's level

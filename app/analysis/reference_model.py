@@ -170,6 +170,7 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         innov = [_mad(x[1:] - phi_w * x[:-1]) for x in (points(resid[:, j], split) for j in range(n))
                  if len(x) > 2] if config.impulse_clip > 0 else []
         innov_sd = float(np.nanmedian(innov)) if np.isfinite(innov).any() else 0.0
+        innov_sd = max(innov_sd, rounding) if innov_sd > 0 else 0.0  # no impulse under the rounding (clean_impulses)
 
         def clean(x: np.ndarray) -> np.ndarray:
             return clean_impulses(x, phi_w, innov_sd, config.impulse_clip)

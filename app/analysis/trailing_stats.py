@@ -13,6 +13,8 @@ Why:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -68,38 +70,128 @@ def thinned_phi(phi: float, fill: float) -> float:
 
 
 def clean_impulses(r: np.ndarray, phi: float, innov_sd: float, clip: float) -> np.ndarray:
-    """The residual `r` with the echo of each impulse taken out: AR(1) innovations (r_t - phi r_(t-1))
-    beyond `clip` innovation sd are cut back to it, and what was cut is removed from the steps after as
-    the noise would carry it (phi^k after k steps). So one huge heavy-tailed innovation is one point, as
-    an isolated spike is, and not a 10-20-step geometric excursion that the trailing medians read as a
-    shift: 3 of the 4 no-change 100k-step candidates flagged (phi 0.75, t(3)/t(5)) were such echoes of
-    a 30-70 sd innovation. A lasting shift is kept: its first innovation may be cut, but each later one
-    carries (1 - phi) of it, which rebuilds the level at the noise's own pace (a 5-sd shift at phi 0.85
-    loses ~0.8 sd of it 5 steps on). Causal (each step uses the ones before), so a prefix of a run is
-    cleaned as the whole run is; a point with no finite one before it is judged alone (below).
-    `DivergenceConfig.impulse_clip`, off by default: what each setting costs is in README. At 10, with the
-    references' centre cleaned too, bench.divergence_length's tuning seeds go from 41 to 25 false alarms of
-    368 and 30 to 15 early alerts of 460; bench.divergence_quality's held-out seeds 40-119 lose one 3-sd
-    shift (5 -> 6 missed of 80), false and early alarms as they were (6, 7)."""
+    """The residual `r` with the echo of each jump taken out. Under AR(1) noise one heavy-tailed innovation
+    (11-15 sd) is not one point but a geometric excursion (phi^k) that the trailing medians read as a shift:
+    bench.divergence_length's `jump` (tuning seeds, 1k steps) flagged 4 of 60 candidates five steps after
+    it (on the 11-step window and the (11, 33) change test, phi 0.85); 3 of the 4 no-change 100k-step
+    candidates once flagged were echoes of a 30-70 sd innovation. Each AR(1) innovation (r_t - phi r_(t-1))
+    beyond `clip` innovation sd is an impulse, and the next one tells which (`_impulse_cuts`): a jump (the
+    next is ordinary) has the part beyond the clip taken out of the steps after as the noise carries it
+    (phi^k); a spike (-phi times it next) and a huge shift leave the points after them as they are. Taken
+    for jumps, a 26-sd spike's echo pushed the next steps 4 sd down (a 3-sd shift 3 steps on was found 46
+    steps late, tests/app/analysis/test_divergence_rl.py) and a 45-sd step of a rounding-level metric was
+    cut to 10 sd at each step (test_divergence.py). A smaller lasting shift is taken for a jump at first:
+    its later innovations each carry (1 - phi) of it, which rebuilds the level at the noise's pace, and
+    once they add up to a shift's its echo is left in from there (`_shift_after_all`). The
+    impulse's own point stays: one point, as a spike is. Causal (step t uses the steps up to t), so a
+    prefix of a run is cleaned as the whole run is; a point with no finite one before it is judged alone
+    (below). The references are cleaned too (their centre and the bars they set: `reference_model`).
+    `DivergenceConfig.impulse_clip` (10; 0: off). Tuning seeds of bench.divergence_length, off -> on: 10 -> 1
+    false alarms of 368 no-change candidates (`jump` at 1k steps 4 -> 0), 10 -> 0 early alerts of 460, 1 miss
+    as before, median time to alert (shifts of 3 sd and up) 10 -> 9 steps; `--refs 1` 34 -> 16 of 368.
+    Plain clipping (every impulse taken for a jump) had 2 false alarms of 368 there but the failures above."""
     if not (clip > 0 and innov_sd > 0 and phi > 0) or len(r) < 2:
         return r
     from scipy.signal import lfilter
 
     # a point with no finite one before it (the run's first, the first after a gap) is judged on its own,
-    # its deviation in the stationary sd (innov_sd / sqrt(1 - phi^2)): a spike there is cut to a point,
-    # not left in to make the next innovation (-phi times it) read as a shock the other way
+    # its deviation in the stationary sd (innov_sd / sqrt(1 - phi^2)); a spike there makes the next
+    # innovation -phi times it, which says it was a spike (not a shock the other way)
     ar = np.sqrt(1.0 - min(phi, 0.99) ** 2)
     u = np.empty(len(r))
     u[0] = r[0] * ar
     with quiet():
         u[1:] = np.where(np.isfinite(r[:-1]), r[1:] - phi * r[:-1], r[1:] * ar)
     lim = clip * innov_sd
-    excess = np.where(np.isfinite(u), u - np.clip(u, -lim, lim), 0.0)
     alone = np.r_[True, ~np.isfinite(r[:-1])]
-    excess[alone] /= ar  # back in the residual's units
+    excess = _impulse_cuts(u, alone, phi, ar, lim, innov_sd)
     if not excess.any():
         return r
     return r - lfilter([1.0], [1.0, -phi], excess)
+
+
+# An innovation beyond the clip is judged by the next one (`_impulse_cuts`) only where that one is itself out of
+# the noise (beyond this many innovation sd); else it is taken for a jump, whose next innovation is ordinary
+KIND_SD = 3.0
+KIND_STEPS = 8  # a jump is taken for a shift if the next (up to 8) innovations add up to a shift's beyond KIND_SD
+
+
+def _impulse_cuts(u: np.ndarray, alone: np.ndarray, phi: float, ar: float, lim: float, innov_sd: float) -> np.ndarray:
+    """What `clean_impulses` takes out at each step (the AR(1) filter's input, residual units). An innovation
+    beyond `lim` leaves its own point as it is (one point); the next innovation v says what it was, as the
+    nearest of what each kind makes of an impulse A: a jump (an innovation outlier) 0, the part of it beyond
+    `lim` then taken out of the steps after as the noise carries it; a spike (one point off) -phi A; a
+    shift (1 - phi) A where that is beyond `lim` (a smaller one is told by the steps after: `_shift_after_all`),
+    the points after them then as they are. v within KIND_SD sd: a jump. Such a shift moves the level the
+    later innovations are measured from until they are back (else each would be cut again: a 45-sd step of
+    a rounding-level metric read as a 10-sd one).
+    Causal: step t's output depends on the innovations up to t. A loop over the impulses alone."""
+    n = len(u)
+    adj = np.where(alone, ar, 1.0 - phi)  # what a shift of 1 adds to each later innovation
+    unit = np.where(alone, ar, 1.0)  # an impulse's innovation per unit of the residual
+    out, back = np.zeros(n), np.zeros(n)  # back: a spike's way back, explained in the next innovation
+    with quiet():
+        hits = np.flatnonzero(np.abs(u) > lim)
+    jumps: list[tuple[int, float, float, float]] = []
+    level, i = 0.0, 0
+    while i < len(hits):
+        s = int(hits[i])
+        i += 1
+        if level and abs(u[s] + back[s]) <= lim:  # back where it was before the shift (or it was none)
+            level = 0.0
+            with quiet():
+                hits, i = s + 1 + np.flatnonzero(np.abs(u[s + 1:] + back[s + 1:]) > lim), 0
+            continue
+        a = float(u[s] - level * adj[s] + back[s])
+        if not abs(a) > lim or s + 1 >= n:
+            continue
+        scale = float(unit[s])
+        cut, size = (a - max(-lim, min(lim, a))) / scale, a / scale
+        v = float(u[s + 1] - level * adj[s + 1] + back[s + 1])
+        if alone[s + 1] or not math.isfinite(v):
+            continue  # nothing after it to tell what it was: left as it is
+        # a shift is told from a jump in one step only where (1 - phi) of it is beyond the clip: at phi 0.8-0.85
+        # a 12-sd jump's next innovation was 3-4 sd (the noise plus phi's error times it), nearer a shift's 4.4
+        saturated = (1.0 - phi) * abs(size) > lim
+        spike, shift = abs(v + phi * size), abs(v - (1.0 - phi) * size) if saturated else np.inf
+        if abs(v) <= KIND_SD * innov_sd or min(spike, shift) >= abs(v):
+            out[s + 1] += phi * cut  # a jump: its echo comes out from the next step on
+            jumps.append((s, cut, size, level))
+        elif spike <= shift:
+            back[s + 1] += phi * size  # what is left of the next innovation may be an impulse of its own
+            if abs(v + phi * size) > lim and (i >= len(hits) or hits[i] != s + 1):
+                hits = np.insert(hits, i, s + 1)
+        else:  # a shift so large that each later innovation is out by itself
+            level += size
+            with quiet():
+                w = u[s + 1:] - level * adj[s + 1:] + back[s + 1:]
+                hits, i = s + 1 + np.flatnonzero(np.abs(w) > lim), 0
+    if jumps:
+        _shift_after_all(out, jumps, u, adj, back, alone, phi, innov_sd)
+    return out
+
+
+def _shift_after_all(out: np.ndarray, jumps: list, u: np.ndarray, adj: np.ndarray, back: np.ndarray,
+                     alone: np.ndarray, phi: float, innov_sd: float) -> None:
+    """Each jump (step, cut, size, level then) whose next KIND_STEPS innovations add up to a shift's
+    ((1 - phi) of it each, beyond KIND_SD sd of their sum): its echo left in from that step on (in `out`)."""
+    n = len(u)
+    s, cut, size, lev = (np.array(c) for c in zip(*jumps))
+    k = np.arange(1, KIND_STEPS + 1)
+    idx = s[:, None] + k
+    ok = idx < n
+    idx = np.minimum(idx, n - 1)
+    with quiet():
+        vals = u[idx] - lev[:, None] * adj[idx] + back[idx]
+        ok &= np.isfinite(vals) & ~alone[idx]
+        ok = np.cumsum(~ok, axis=1) == 0  # up to a gap or the run's end
+        tot = np.cumsum(np.where(ok, vals, 0.0), axis=1)
+        lead = ok & (np.abs(tot) > KIND_SD * np.sqrt(k) * innov_sd)
+        lead &= np.abs(tot - k * (1.0 - phi) * size[:, None]) < np.abs(tot)
+    found = lead.any(axis=1)
+    if found.any():
+        j = np.argmax(lead[found], axis=1) + 1  # the step it is taken for a shift at
+        np.add.at(out, s[found] + j, -(phi ** j) * cut[found])
 
 
 def points(x: np.ndarray, compress: bool) -> np.ndarray:
