@@ -127,7 +127,10 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
             zc = np.where((np.sign(zc) == np.sign(lvl)) & (np.abs(lvl) >= bar / 2), zc, 0.0)
             tests.append((q, zc, change_bar, end_m, q + p, sd))
     edge = min(th * sd for th, sd in zip(noise.threshold, noise.null_sd))  # `first_out`'s band
-    out = _stretches(r, tests, level, noise.threshold, config.windows, config.window, "level", edge)
+    # the onset reported is the first point out as the chart draws it: before the echoes are cleaned off
+    # (with them cleaned, 2 of 514 held-out onsets of bench.divergence_quality were at a point inside the band)
+    raw = full_r[np.isfinite(full_r)] if noise.fill < 1 else full_r
+    out = _stretches(r, tests, level, noise.threshold, config.windows, config.window, "level", edge, raw)
     in_points, n_points = out, len(r)  # the stretches as the level windows index them
 
     def excess(i: int) -> float:
@@ -236,13 +239,14 @@ def detectable_shift(r: np.ndarray, noise: NoiseModel, config) -> float:
 
 def _stretches(r: np.ndarray, tests: list, level: dict[int, np.ndarray], bars: tuple[float, ...],
                windows: tuple[int, ...], lookback: int, kind: str,
-               edge: float | None = None) -> list[Stretch]:
+               edge: float | None = None, raw: np.ndarray | None = None) -> list[Stretch]:
     """Departures of the residual `r` by `tests` ((window, z, bar, window whose level z says when it is
     over, steps it looks back, its null sd) each): any test beyond its bar; each stretch ends once the
     reporting window's level is back under half its bar for as many steps as the window is long. Where
     each test is beyond its bar, and where each (window, sign) is back inside for a whole window, is
     found once for the run, then looked up per stretch (a long noisy run has hundreds of stretches).
-    `edge`: the band's half-width a point must pass for the onset reported (`first_out`); None: the split."""
+    `edge`: the band's half-width a point must pass for the onset reported (`first_out`, on `raw`: the
+    residual before `clean_impulses`, else `r`); None: the split."""
     n = len(r)
     out: list[Stretch] = []
     with quiet():
@@ -276,7 +280,7 @@ def _stretches(r: np.ndarray, tests: list, level: dict[int, np.ndarray], bars: t
         wi = list(windows).index(end_m) if end_m in windows else 0
         size = float(zz[a] * sd)  # the stretch's size in the compared scale
         onset = max(i, cusum_onset(r, a, size, lookback=4 * m + lookback))
-        shown = None if edge is None else first_out(r * sign, onset, a, edge, windows[0])
+        shown = None if edge is None else first_out((r if raw is None else raw) * sign, onset, a, edge, windows[0])
         back = first_back(end_m, sign, bars[wi], a)
         if back is not None:
             end = max(back - 1, a)
