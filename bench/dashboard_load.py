@@ -53,7 +53,7 @@ import numpy as np
 
 import bench  # noqa: F401 - sets MLFLOW_DISABLE_TELEMETRY
 from bench._common import env_info, metric_store, quiet_mlflow, summary_row, write_result
-from bench._server import start_dashboard, stop_group
+from bench._server import group_cpu_s, others_cpu, others_cpu_s, start_dashboard, stop_group
 from rldiag.collectors import keys
 from tests.helpers.browser import chromium, drawn_panels_js
 
@@ -190,45 +190,6 @@ def settle(cache_dir: Path, timeout_s: float = 300) -> int:
             return size
         time.sleep(0.2)
     raise RuntimeError(f"the disk cache in {cache_dir} did not settle in {timeout_s} s")
-
-
-def group_cpu_s(group: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group `group` (Linux /proc)."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[2]) == group:  # after the name: state, ppid, pgrp, ..., utime (12th), stime (13th)
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def others_cpu() -> dict[int, float]:
-    """CPU seconds so far of every live process that is not this one or its descendants (the server, the
-    browser, Playwright's driver, the busy core): other work on the machine (Linux /proc)."""
-    stats: dict[int, tuple[int, float]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        stats[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
-    me, out = os.getpid(), {}
-    for pid, (_, cpu) in stats.items():
-        p, seen = pid, 0
-        while p in stats and p != me and seen < 64:  # up the parents to init, or to this process
-            p, seen = stats[p][0], seen + 1
-        if p != me:
-            out[pid] = cpu
-    return out
-
-
-def others_cpu_s(before: dict[int, float], after: dict[int, float]) -> float:
-    """CPU seconds other work used between two `others_cpu` snapshots (processes alive at the second; one that
-    started and ended between them is missed)."""
-    return round(sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items()), 1)
 
 
 def load_page(browser, url: str, runs: list[str], n_charts: int, timeout_s: float, progress: bool = False,
