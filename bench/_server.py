@@ -3,6 +3,9 @@
 `MlflowServer(root, backend_store_uri=..., serve_artifacts=True)` puts it over another store (the
 PostgreSQL tests) and proxies artifacts (`--serve-artifacts --artifacts-destination root/artifacts`).
 
+Also the dashboard's server (`start_dashboard`), process groups (`stop_group`) and the CPU seconds processes
+used, from /proc (`group_cpu_s`; `others_cpu`: every process but this one and its descendants).
+
 Shared by the benchmarks and the tests (`tests/helpers/net.py` imports it); it does not import pytest.
 """
 
