@@ -23,17 +23,17 @@ the server `rldiag app` starts (`rldiag.app.dashboard.serve`), with a fresh disk
   reported beside the goal's figure, which stays the fresh browser's;
 - then "cold" and "warm" again, with another process using one core (`python -c 'while 1: pass'`, as a
   training job or a test run beside the dashboard would): the same goals (`--no-busy` skips it).
-The server's start (launch to healthy) and the machine's load average before each server are reported
-beside them, and the CPU seconds other processes used during each session (`others_cpu`: every process but
-this one and its descendants): the busy-core figure is only that where this is near 0. The first load must show its progress bar (runs and points read) before any chart: the
-seconds until it shows are reported. Each load's timeline is printed:
-seconds to the websocket connected, the script run started and finished (as the page shows them) and
-every chart drawn, with the chart component's own marks (app/dashboard/static/chart_grid.js): when it
-got its figure, and the seconds plotly.js took to parse and to draw it; and the CPU seconds the load
-took in the page's renderer (its main thread and all of it, from Chromium's Performance metrics) and in
-the server's process group: a busy machine stretches the seconds, much less the CPU. Then every injected NaN and
-spike is checked in the drawn data, after the cold and after the warm loads. `--quick` (20k steps) writes
-its result beside the full one (dashboard_load_quick.json), not over it.
+The server's start (launch to healthy) and the machine's load average before each server are reported beside
+them, and the CPU seconds other processes used during each session (`others_cpu`: every process but this one
+and its descendants): the busy-core figure is only that where this is near 0. The first load must show its
+progress bar (runs and points read) before any chart: the seconds until it shows are reported. Each load's
+timeline is printed: seconds to the websocket connected, the script run started and finished (as the page
+shows them) and every chart drawn, with the chart component's own marks (app/dashboard/static/chart_grid.js):
+when it got its figure, and the seconds plotly.js took to parse and to draw it; and the CPU seconds the load
+took in the page's renderer (its main thread and all of it, from Chromium's Performance metrics) and in the
+server's process group: a busy machine stretches the seconds, much less the CPU. Then every injected NaN and
+spike is checked in the drawn data, after the cold and after the warm loads. `--quick` (20k steps) writes its
+result beside the full one (dashboard_load_quick.json), not over it.
 """
 
 from __future__ import annotations
@@ -286,7 +286,8 @@ def timed_session(uri: str, log: Path, cache_dir: Path, plan: dict[str, dict], n
     for t, marks, _ in same:
         print(f"[{label}] warm page load, same browser: {t:.2f} s {marks}")
     visible, visible_cold = check_visible(rest[-1][2], plan), check_visible(cold_charts, plan)
-    return {"load_average_before": load_before, "other_work": others, "server_start_s": start, "cold_s": cold, "cold_timeline_s": cold_marks,
+    return {"load_average_before": load_before, "other_work": others, "server_start_s": start, "cold_s": cold,
+            "cold_timeline_s": cold_marks,
             "warm_s": [t for t, _, _ in rest], "warm_timelines_s": [m for _, m, _ in rest],
             "warm_median_s": statistics.median(t for t, _, _ in rest),
             "warm_cpu_median_s": {k: round(statistics.median(m[k] for _, m, _ in rest), 2) for k in CPU_KEYS
