@@ -129,31 +129,31 @@ def stop_group(proc: subprocess.Popen, timeout: float = 15) -> None:
             pass
 
 
-def group_cpu_s(group: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group `group` (Linux /proc)."""
-    total = 0
+def _proc_stats() -> dict[int, tuple[int, int, float]]:
+    """Every live process's (parent, process group, CPU seconds so far: user + system), from Linux /proc."""
+    out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rpartition(")")[2].split()
         except OSError:  # the process ended meanwhile
             continue
-        if int(fields[2]) == group:  # after the name: state, ppid, pgrp, ..., utime (12th), stime (13th)
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        # after the name: state, ppid, pgrp, ..., utime (12th), stime (13th)
+        out[int(stat.parent.name)] = (int(fields[1]), int(fields[2]),
+                                      (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
+def group_cpu_s(group: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group `group` (Linux /proc)."""
+    return sum(cpu for _, pgrp, cpu in _proc_stats().values() if pgrp == group)
 
 
 def others_cpu() -> dict[int, float]:
     """CPU seconds so far of every live process that is not this one or its descendants (the server, the
     browser, Playwright's driver, the busy core): other work on the machine (Linux /proc)."""
-    stats: dict[int, tuple[int, float]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        stats[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    stats = _proc_stats()
     me, out = os.getpid(), {}
-    for pid, (_, cpu) in stats.items():
+    for pid, (_, _, cpu) in stats.items():
         p, seen = pid, 0
         while p in stats and p != me and seen < 64:  # up the parents to init, or to this process
             p, seen = stats[p][0], seen + 1
