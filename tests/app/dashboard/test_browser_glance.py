@@ -50,6 +50,9 @@ def test_compare_and_nan_events_at_1280x800(dash_store, tmp_path):
             page.set_default_timeout(180_000)
             page.goto(url + "compare")
             drawn(page, {keys.GRAD_NORM: {"unmasked", "unmasked NaN"}})
+            # the draft grid is drawn first, the verdicts table above it once they are computed: measure the
+            # page its script finished (CI's busy cores once measured the draft's top under the late table)
+            page.wait_for_selector(READY)
             page.wait_for_timeout(500)
             # The why above the fold (issue 44): each candidate's verdict, departure and likely cause with its
             # fix, in a table that ends inside the first screen, before the first chart panel.
