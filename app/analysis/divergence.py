@@ -90,6 +90,7 @@ class DivergenceConfig:
     zero_seed_spread: float = 0.1  # two-part comparison: prior seed-to-seed spread of the zero rate, in sd of one step's 0/1
     impulse_clip: float = 10.0  # innovations beyond this many robust sd: impulses, echo out (0: off; clean_impulses)
     alpha: float = 0.001  # false-alarm probability per candidate and metric over the run that sets the bars (0: fixed bars)
+    tail_points: int = 50_000  # the references' noise simulated over this many points for the bars' tails (0: normal; tail_sim)
     min_delta: float = 0.0  # a departure must exceed this, in metric units
     rel_delta: float = 0.0  # ... and this fraction of the reference's level
 

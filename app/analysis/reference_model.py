@@ -39,6 +39,7 @@ from rldiag.app.analysis.noise_transforms import _use_log, dequantise, finite_va
 from rldiag.app.analysis.onsets import quiet
 from rldiag.app.analysis.reference_bars import _leave_one_out, _own_change_tops, _variance_bar, paired, window_bar
 from rldiag.app.analysis.rolling_median import row_nanmedian
+from rldiag.app.analysis.tail_sim import simulated_tails
 from rldiag.app.analysis.trailing_stats import (
     _mad,
     _trailing_median,
@@ -204,6 +205,9 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
         own_pts = [clean(points(resid[:, j], split)) for j in range(n)]
         counts = [int(np.isfinite(x).sum()) for x in own_pts]
         cal = Calibration(config.alpha, max(counts, default=1), sum(counts), phi_w) if config.alpha > 0 else None
+        if cal is not None and config.tail_points > 0 and not split:
+            cal.tails = simulated_tails([points(resid[:, j], split) for j in range(n)], phi_w, config, own_of,
+                                        change_sd, clean)
         own_med: list[dict[int, np.ndarray]] = [{} for _ in own_pts]
 
         def own_trailing(j: int, m: int) -> np.ndarray:  # shared by the level bars and the change bars
@@ -257,8 +261,9 @@ def reference_model(references: tuple[Trace, ...], config) -> RefModel:
             own_change = _own_change_tops(own_trailing, n, config, change_sd)
             pair_change = (_own_change_tops(pair_trailing, n, config, change_sd) if pair_pts is not None
                            else [0.0] * len(own_change))
-            change_bar = tuple(max(k_floor, cal.model(q) * np.sqrt(1 + 1 / n), cal.extrapolate(q, max(own, pair)),
-                                   cal.extrapolate(q, loo))
+            change_bar = tuple(max(k_floor, cal.model(q) * np.sqrt(1 + 1 / n),
+                                   cal.extrapolate(q, max(own, pair), test=("change", q)),
+                                   cal.extrapolate(q, loo, test=("change", q)))
                                for (q, _), own, pair, loo in zip(config.change_windows, own_change, pair_change,
                                                                  loo_change))
         diff_scale, var_bar = _variance_bar(vals, sigma, phi, config, compress=split)

@@ -92,8 +92,6 @@ def clean_impulses(r: np.ndarray, phi: float, innov_sd: float, clip: float) -> n
     Plain clipping (every impulse taken for a jump) had 2 false alarms of 368 there but the failures above."""
     if not (clip > 0 and innov_sd > 0 and phi > 0) or len(r) < 2:
         return r
-    from scipy.signal import lfilter
-
     # a point with no finite one before it (the run's first, the first after a gap) is judged on its own,
     # its deviation in the stationary sd (innov_sd / sqrt(1 - phi^2)); a spike there makes the next
     # innovation -phi times it, which says it was a spike (not a shock the other way)
@@ -107,7 +105,21 @@ def clean_impulses(r: np.ndarray, phi: float, innov_sd: float, clip: float) -> n
     excess = _impulse_cuts(u, alone, phi, ar, lim, innov_sd)
     if not excess.any():
         return r
-    return r - lfilter([1.0], [1.0, -phi], excess)
+    return r - ar1_filter(excess, phi)
+
+
+def ar1_filter(e: np.ndarray, phi: float) -> np.ndarray:
+    """x_t = phi x_(t-1) + e_t from x_(-1) = 0: scipy's `lfilter` where the app extra installed it, else a
+    loop (a training-side install, .venv-trl11, reads runs without scipy)."""
+    try:
+        from scipy.signal import lfilter
+    except ImportError:
+        out, x = np.empty(len(e)), 0.0
+        for i, v in enumerate(e.tolist()):
+            x = phi * x + v
+            out[i] = x
+        return out
+    return lfilter([1.0], [1.0, -phi], e)
 
 
 # An innovation beyond the clip is judged by the next one (`_impulse_cuts`) only where that one is itself out of
