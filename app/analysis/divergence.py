@@ -109,6 +109,9 @@ class DivergenceConfig:
             raise ValueError(f"alpha={self.alpha}: use a false-alarm probability in [0, 1), e.g. 0.001 (0: the fixed bars)")
         if not self.impulse_clip >= 0:
             raise ValueError(f"impulse_clip={self.impulse_clip}: use 0 (off) or a number of innovation sd > 0, e.g. 10")
+        if self.tail_points < 0:
+            raise ValueError(f"tail_points={self.tail_points}: use 0 (normal noise's ratio alone) or a number of "
+                             f"simulated points, e.g. 50000")
 
     @property
     def min_steps(self) -> int:

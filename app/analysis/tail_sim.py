@@ -136,9 +136,10 @@ def simulated_tails(pts: list[np.ndarray], phi: float, config, own_sd, change_sd
     """Per test, the tail of its statistic on the references' noise simulated (`simulate`) and cleaned
     (`clean`, as a candidate is): each level window's |trailing median| in its own-noise sd (`own_sd(m)`,
     the unit the references' own tops are in) under its m, each change test's |recent - before| in its
-    `change_sd` under ("change", q). Empty where the references hold fewer than MIN_INNOVATIONS."""
+    `change_sd` under ("change", q). Empty where the references hold fewer than MIN_INNOVATIONS or
+    `config.tail_points` is 0."""
     innov = innovations(pts, phi)
-    if innov.size < MIN_INNOVATIONS or not np.ptp(innov) > 0:
+    if config.tail_points <= 0 or innov.size < MIN_INNOVATIONS or not np.ptp(innov) > 0:
         return {}
     sim = clean(simulate(innov, phi, config.tail_points))
     med: dict[int, np.ndarray] = {}

@@ -70,3 +70,13 @@ def test_heavier_noise_carries_further_and_few_points_give_no_tail():
     assert set(normal) == {*config.windows, ("change", 11), ("change", 21)}
     assert heavy[11].ratio(0.001, 100_000, 9000) > normal[11].ratio(0.001, 100_000, 9000)
     assert tails([rng.standard_normal(MIN_INNOVATIONS // 2)]) == {}
+
+
+def test_a_negative_tail_points_is_refused_with_the_fix_and_zero_turns_the_simulation_off():
+    with pytest.raises(ValueError, match=r"tail_points=-5: use 0 \(normal noise's ratio alone\) .* e.g. 50000"):
+        DivergenceConfig.from_options(["tail_points=-5"])
+    rng = np.random.default_rng(2)
+    refs = [lfilter([1.0], [1.0, -0.5], rng.standard_t(2, 3000)) for _ in range(2)]
+    on = simulated_tails(refs, 0.5, DivergenceConfig(), lambda m: 1.0, (1.0, 1.0), lambda x: x)
+    assert on and simulated_tails(refs, 0.5, DivergenceConfig(tail_points=0), lambda m: 1.0, (1.0, 1.0),
+                                  lambda x: x) == {}
