@@ -5,6 +5,8 @@ Where each part lives (each module's docstring says why its rules are there; all
 - `noise_transforms`: the compared scale (logs or linear, lattice values dequantised, `two_part`);
 - `reference_model`: `reference_model` (`RefModel`, `NoiseModel`): centre, noise, seed spread, null sds;
 - `reference_bars`: the bars from what the references reach (own, `paired`, left out, carried to alpha);
+- `calibration`, `tail_sim`: the ratio that carries them to alpha (normal noise's, or the references' own
+  noise simulated where that reaches further);
 - `zero_rate`: the two-part comparison's zeros (`ZeroRate`: trailing zero fractions, runs of zeros);
 - `trailing_stats`: trailing medians and means, partly filled windows, impulses, the candidate's scale;
 - here: the causal scan (`scan`, `level_residual`, `detectable_shift`, `spacing`).

@@ -19,8 +19,9 @@ Why (measured on `bench.divergence_rl`, RL-like noise):
   L / span looks of a statistic that stays alike over `span` steps, crossing u^2 times as often as
   independent values), and at least the largest value the references reach (their own residuals; with 2
   or more, each left out against the others) carried from the run(s) they were measured on to the
-  target by the same ratio: heavy tails, bursts and decaying impulses raise it by as much as they reach
-  beyond normal noise. `k`, `k_per_halving` and `k_change`/`k_change_loo` stay as floors: with the model
+  target by the same ratio, or by the one the references' own noise has when simulated where that is more
+  (`tail_sim`): heavy tails, bursts and decaying impulses raise it by as much as they reach beyond normal
+  noise. `k`, `k_per_halving` and `k_change`/`k_change_loo` stay as floors: with the model
   bar alone (no floor), 1000-step candidates with one reference at phi 0.85 were flagged on a heavy-tailed
   jump the one reference never showed (4 false of 96 on bench.divergence_length --quick; 0 with them).
   alpha = 0: the bars before it (the floors, raised to `calibration_margin` x what the references reach).

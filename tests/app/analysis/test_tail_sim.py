@@ -80,3 +80,18 @@ def test_a_negative_tail_points_is_refused_with_the_fix_and_zero_turns_the_simul
     on = simulated_tails(refs, 0.5, DivergenceConfig(), lambda m: 1.0, (1.0, 1.0), lambda x: x)
     assert on and simulated_tails(refs, 0.5, DivergenceConfig(tail_points=0), lambda m: 1.0, (1.0, 1.0),
                                   lambda x: x) == {}
+
+
+def test_a_top_is_carried_by_the_simulated_ratio_only_where_it_reaches_further():
+    from rldiag.app.analysis.calibration import Calibration, span, z_seen
+    from rldiag.app.analysis.tail_sim import Tail
+
+    cal = Calibration(0.001, 10_000, 30_000, 0.5)
+    normal = cal.extrapolate(11, 4.0)
+    assert normal == pytest.approx(4.0 * cal.model(11) / z_seen(30_000 / span(11, 0.5)))
+    heavy, light = Tail(3.0, 0.002, 0.3, 0.5), Tail(3.0, 0.002, -0.3, 0.2)
+    cal.tails = {11: heavy, ("change", 11): light}
+    assert 4.0 * heavy.ratio(0.001, 10_000, 30_000) > normal
+    assert cal.extrapolate(11, 4.0) == pytest.approx(4.0 * heavy.ratio(0.001, 10_000, 30_000))
+    assert cal.extrapolate(11, 4.0, test=("change", 11)) == pytest.approx(normal)  # lighter: normal noise's
+    assert cal.extrapolate(21, 4.0) == pytest.approx(cal.extrapolate(21, 4.0, test=21))  # no tail: normal's
