@@ -41,17 +41,16 @@ The journal holds a run's metrics and tags: its files are created readable by th
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import re
-import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from rldiag.collectors.journal_lock import JournalBusy, JournalLock, holder, try_lock
+from rldiag.collectors.journal_files import new_segment_file, unlink as _unlink, write_all as _write_all
 from rldiag.collectors.journal_read import (
     Batch,
     JournalScan,
@@ -289,73 +288,19 @@ class Journal:
             if old.open_batches <= 0:
                 self._drop(old)
         self._ensure_folder()
-        fd, path, size = self._new_segment_file()
+        fd, path, self._next_number, size = new_segment_file(self.folder, self.stem, self._next_number, self._header)
         seg = Segment(path, self._next_number, self.stem)
         self._fd, self._cur, self._cur_bytes = fd, seg, size
         self._next_number += 1
         self._segments.append(seg)
 
-    def _header(self) -> bytes:
+    def _header(self, number: int) -> bytes:
         shown = redact_uri(self._uri or "")
         header: dict = {"rldiag_journal": JOURNAL_VERSION, "run_id": self.run_id, "tracking_uri": shown,
-                        "segment": self._next_number}
+                        "segment": number}
         if shown != (self._uri or ""):
             header["uri_redacted"] = True
         return (json.dumps(header, separators=(",", ":")) + "\n").encode()
-
-    def _new_segment_file(self) -> tuple[int, Path, int]:
-        """A new segment, never a file that is there (a file of the user's with a segment's name), with its
-        header whole the moment it has its name: written under a hidden name of this stem's (made and
-        removed under its lock) and linked into place, so a writer killed mid-roll leaves no headerless file
-        named like a segment, which no later writer could tell from a user's (it stayed, as foreign, after
-        a SIGKILL in the roll: tests/collectors/test_journal_roll_kill.py). Where the filesystem has no hard
-        links, the file is made in place (O_EXCL) and its header written after."""
-        tmp = self.folder / f".{self.stem}.new"
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
-        fd = os.open(tmp, flags | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        linked = True
-        try:
-            _private(fd)
-            while True:
-                line = self._header()
-                os.ftruncate(fd, 0)
-                _write_all(fd, line)
-                path = segment_path(self.folder, self.stem, self._next_number)
-                try:
-                    os.link(tmp, path)
-                    break
-                except FileExistsError:
-                    self._next_number += 1
-                except OSError as e:
-                    if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
-                        raise
-                    linked = False
-                    break
-        except BaseException:
-            os.close(fd)
-            _unlink(tmp)
-            raise
-        if not linked:
-            os.close(fd)
-        _unlink(tmp)
-        if linked:
-            return fd, path, len(line)
-        while True:  # no hard links here: made in place
-            path = segment_path(self.folder, self.stem, self._next_number)
-            try:
-                fd = os.open(path, flags | os.O_EXCL, 0o600)
-                break
-            except FileExistsError:
-                self._next_number += 1
-        try:
-            _private(fd)
-            line = self._header()
-            _write_all(fd, line)
-        except BaseException:
-            os.close(fd)
-            _unlink(path)  # made here (O_EXCL), its header not whole: ours, and not a journal
-            raise
-        return fd, path, os.fstat(fd).st_size
 
 
     def _ensure_folder(self) -> None:
@@ -489,24 +434,3 @@ def _other_stems(folder: Path, run_id: str, own: str) -> list[str]:
             stems.add(run_id + (m.group(1) or ""))
     stems.discard(own)
     return sorted(s for s in stems if segment_files(folder, s))
-
-
-def _private(fd: int) -> None:
-    """Our file readable by us alone (a journal holds the run's metrics and its tracking URI)."""
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077 and st.st_uid == os.getuid():
-        os.fchmod(fd, 0o600)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass

@@ -90,14 +90,14 @@ def test_sigkill_during_a_segment_roll_then_restart(sqlite_uri, tmp_path):
 # a roll the timed kill above lands in only now and then (CI once: segment 4 left headerless, as foreign).
 HALF_HEADER = textwrap.dedent("""
     import os, signal, sys
-    import rldiag.collectors.journal as journal
-    real = journal._write_all
+    import rldiag.collectors.journal_files as journal_files
+    real = journal_files.write_all
     def write_all(fd, data):
         if data.startswith(b'{"rldiag_journal"') and b'"segment":3' in data:
             os.write(fd, data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
         real(fd, data)
-    journal._write_all = write_all
+    journal_files.write_all = write_all
     exec(sys.argv.pop(1))
 """)
 
