@@ -52,6 +52,7 @@ from rldiag.app.analysis.trailing_stats import (
     abs_diffs,
     ar_diff_var,
     candidate_scale,
+    change_z,
     clean_impulses,
     median_var,
     min_points,
@@ -118,9 +119,7 @@ def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, nois
         # how long the candidate is now, so a prefix of the run reports what the whole run reports there
         tests = [(m, level[m], th, m, m, sd) for m, th, sd in zip(config.windows, noise.threshold, noise.null_sd)]
         for (q, p), sd, change_bar in zip(config.change_windows, noise.change_sd, noise.change_bar):
-            before = np.roll(trailing(p), q)
-            before[:q] = np.nan
-            zc = (trailing(q) - before) / sd
+            zc = change_z(trailing(q), trailing(p), q, sd)
             end_m = q if q in level else config.windows[0]
             # a change counts only away from the centre and while the recent level is not back inside
             # (the end rule's half bar): a return from a departure is a change too, not a departure

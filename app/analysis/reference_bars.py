@@ -44,9 +44,8 @@ from __future__ import annotations
 import numpy as np
 
 from rldiag.app.analysis.calibration import Calibration
-from rldiag.app.analysis.onsets import quiet
 from rldiag.app.analysis.rolling_median import row_nanmedian
-from rldiag.app.analysis.trailing_stats import _MAD, _trailing_median, candidate_scale, points
+from rldiag.app.analysis.trailing_stats import _MAD, _trailing_median, candidate_scale, change_z, points
 
 
 def paired(own: list[np.ndarray], centre: np.ndarray) -> list[np.ndarray]:
@@ -94,9 +93,7 @@ def _leave_one_out(vals: np.ndarray, smooth: np.ndarray, config, null_sd_of, cha
             if np.isfinite(z).any():
                 level[wi] = max(level[wi], float(np.nanmax(np.abs(z))))
         for ci, ((q, p), sd) in enumerate(zip(config.change_windows, change_sd)):
-            before = np.roll(med[p], q)
-            before[:q] = np.nan
-            zc = (med[q] - before) / sd
+            zc = change_z(med[q], med[p], q, sd)
             if np.isfinite(zc).any():
                 change[ci] = max(change[ci], float(np.nanmax(np.abs(zc))))
     return level, change
@@ -111,10 +108,7 @@ def _own_change_tops(trailing, seeds: int, config, change_sd: tuple[float, ...])
         for ci, ((q, p), sd) in enumerate(zip(config.change_windows, change_sd)):
             if not sd > 0:
                 continue
-            before = np.roll(trailing(j, p), q)
-            before[:q] = np.nan
-            with quiet():
-                zc = (trailing(j, q) - before) / sd
+            zc = change_z(trailing(j, q), trailing(j, p), q, sd)
             if np.isfinite(zc).any():
                 out[ci] = max(out[ci], float(np.nanmax(np.abs(zc))))
     return out

@@ -12,7 +12,7 @@ Here that ratio comes from the references themselves:
 - **The noise, simulated.** The references' AR(1) innovations (their residual points, before impulse
   cleaning: `innovations`) are resampled in blocks of `BLOCK` steps (a block bootstrap: bursts and
   clusters of large innovations stay together, and meet in new combinations), run through the AR(1)
-  filter at their phi and cleaned as a candidate is (`simulate`): `SIM_POINTS` points with the
+  filter at their phi and cleaned as a candidate is (`simulate`): `DivergenceConfig.tail_points` points with the
   references' tails, clusters and autocorrelation, without a model for any of them.
 - **The tail, fitted.** Each test's |statistic| over the simulated run is declustered (exceedances
   closer than its span are one excursion) and the `PEAKS` highest excursions are fitted with a generalised
@@ -22,8 +22,8 @@ Here that ratio comes from the references themselves:
   with probability p. The bars use level(alpha, candidate's length) / level(1/2, points the references'
   tops were taken over), where it is more than the normal ratio.
 Deterministic (a fixed seed): the same references give the same bars. Where the references hold fewer
-than `MIN_INNOVATIONS` innovations the normal ratio alone is used (one short reference cannot show its
-tails; the verdict's smallest detectable shift says what that costs).
+than `MIN_INNOVATIONS` innovations (one short reference cannot show its tails), or a test's simulated run
+holds too few excursions, the normal ratio alone is used, as before this module.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from rldiag.app.analysis.onsets import quiet
-from rldiag.app.analysis.trailing_stats import _trailing_median, ar1_filter
 
-SIM_POINTS = 50_000  # simulated points per reference model (about 30 ms of trailing medians)
+from rldiag.app.analysis.trailing_stats import _trailing_median, ar1_filter, change_z
+
 BLOCK = 8  # innovations resampled together: a burst of up to this many steps stays one
 PEAKS = 100  # excursions the tail is fitted on
 MIN_INNOVATIONS = 200  # fewer: the references cannot show their tails, the normal ratio alone
@@ -78,7 +77,7 @@ def innovations(pts: list[np.ndarray], phi: float) -> np.ndarray:
     return innov - innov.mean() if innov.size else innov
 
 
-def simulate(innov: np.ndarray, phi: float, n: int = SIM_POINTS, block: int = BLOCK, seed: int = SEED) -> np.ndarray:
+def simulate(innov: np.ndarray, phi: float, n: int, block: int = BLOCK, seed: int = SEED) -> np.ndarray:
     """`n` points of AR(1) noise at `phi` driven by `innov` resampled in blocks of `block`."""
     rng = np.random.default_rng(seed)
     block = max(1, min(block, len(innov)))
@@ -111,6 +110,8 @@ def fit_tail(z: np.ndarray, apart: int, peaks: int = PEAKS) -> Tail | None:
     those fewer than `apart` points apart one), the `peaks` highest fitted (fewer where the run holds
     fewer than 2 x `peaks` excursions, at least 30). None where there are too few."""
     z = np.abs(z[np.isfinite(z)])
+    if len(z) < 20 * 30:  # fewer points than 30 excursions' worth: nothing to fit
+        return None
     low = float(np.quantile(z, 0.9))
     idx = np.flatnonzero(z > low)
     if len(idx) < 2:
@@ -155,10 +156,6 @@ def simulated_tails(pts: list[np.ndarray], phi: float, config, own_sd, change_sd
             tails[m] = t
     for (q, p), sd in zip(config.change_windows, change_sd):
         if sd > 0:
-            before = np.roll(trailing(p), q)
-            before[:q] = np.nan
-            with quiet():
-                z = (trailing(q) - before) / sd
-            if (t := fit_tail(z, gap(q + p, phi))) is not None:
+            if (t := fit_tail(change_z(trailing(q), trailing(p), q, sd), gap(q + p, phi))) is not None:
                 tails[("change", q)] = t
     return tails

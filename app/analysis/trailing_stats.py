@@ -108,6 +108,15 @@ def clean_impulses(r: np.ndarray, phi: float, innov_sd: float, clip: float) -> n
     return r - ar1_filter(excess, phi)
 
 
+def change_z(recent: np.ndarray, prior: np.ndarray, q: int, sd: float) -> np.ndarray:
+    """The change test's statistic: the recent trailing median less the prior window's as it stood `q`
+    steps before (NaN for the first q), in `sd`."""
+    before = np.roll(prior, q)
+    before[:q] = np.nan
+    with quiet():
+        return (recent - before) / sd
+
+
 def ar1_filter(e: np.ndarray, phi: float) -> np.ndarray:
     """x_t = phi x_(t-1) + e_t from x_(-1) = 0: scipy's `lfilter` where the app extra installed it, else a
     loop (a training-side install, .venv-trl11, reads runs without scipy)."""

@@ -80,6 +80,8 @@ def test_a_negative_tail_points_is_refused_with_the_fix_and_zero_turns_the_simul
     on = simulated_tails(refs, 0.5, DivergenceConfig(), lambda m: 1.0, (1.0, 1.0), lambda x: x)
     assert on and simulated_tails(refs, 0.5, DivergenceConfig(tail_points=0), lambda m: 1.0, (1.0, 1.0),
                                   lambda x: x) == {}
+    # a simulation too short for any window to fill (nor 30 excursions): no tail, and no error
+    assert simulated_tails(refs, 0.5, DivergenceConfig(tail_points=5), lambda m: 1.0, (1.0, 1.0), lambda x: x) == {}
 
 
 def test_a_top_is_carried_by_the_simulated_ratio_only_where_it_reaches_further():
