@@ -49,8 +49,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from rldiag.collectors.journal_files import header_tmp, new_segment_file, unlink as _unlink, write_all as _write_all
 from rldiag.collectors.journal_lock import JournalBusy, JournalLock, holder, try_lock
-from rldiag.collectors.journal_files import new_segment_file, unlink as _unlink, write_all as _write_all
 from rldiag.collectors.journal_read import (
     Batch,
     JournalScan,
@@ -191,6 +191,7 @@ class Journal:
         self.unreadable += scan.unreadable
         self.foreign += scan.foreign
         self.corrupt_lines += scan.corrupt_lines
+        _unlink(header_tmp(self.folder, stem))  # a writer of this stem killed mid-roll: ours (we hold its lock)
         for s in scan.segments:  # verified segments only (`segment_problem`): foreign files are never touched
             if s.segment.open_batches == 0:  # fully delivered by an earlier owner
                 _unlink(s.segment.path)
@@ -301,7 +302,6 @@ class Journal:
         if shown != (self._uri or ""):
             header["uri_redacted"] = True
         return (json.dumps(header, separators=(",", ":")) + "\n").encode()
-
 
     def _ensure_folder(self) -> None:
         """The folder and our lock file, made again if the folder was removed under a running writer."""

@@ -22,13 +22,18 @@ from rldiag.collectors.journal_read import segment_path
 _NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
 
 
+def header_tmp(folder: Path, stem: str) -> Path:
+    """Where a new segment of `stem` gets its header before its name: made and removed under the stem's lock,
+    so whoever holds the lock may remove one left by a writer killed there."""
+    return folder / f".{stem}.new"
+
+
 def new_segment_file(folder: Path, stem: str, number: int, header: Callable[[int], bytes]) -> tuple[int, Path, int, int]:
     """A new segment of `stem` numbered `number` or, where a file is there already (a file of the user's with a
     segment's name), the next free number: (its fd, open for appending; its path; its number; its size). Its
-    `header(number)` is written under a hidden name of the stem's (`.<stem>.new`, made and removed under the
-    stem's lock, so ours) and hard-linked into place. Where the filesystem has no hard links, the file is made
-    in place (O_EXCL) and its header written after."""
-    tmp = folder / f".{stem}.new"
+    `header(number)` is written under a hidden name of the stem's (`header_tmp`) and hard-linked into place.
+    Where the filesystem has no hard links, the file is made in place (O_EXCL) and its header written after."""
+    tmp = header_tmp(folder, stem)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
     fd = os.open(tmp, flags | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:

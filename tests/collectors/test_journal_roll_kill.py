@@ -126,3 +126,23 @@ def test_sigkill_halfway_through_a_new_segments_header(sqlite_uri, tmp_path):
     assert {s for s in steps if s < 5_000_000} == delivered | journaled == set(range(max(journaled | delivered) + 1))
     assert not segment_files(spill, run_id) and not [p for p in spill.iterdir() if p.name.endswith(".jsonl")]
     assert sorted(p.name for p in spill.iterdir()) == []  # nor the hidden header file, nor a lock
+
+
+def test_rldiag_sync_after_a_kill_halfway_through_a_header_leaves_nothing(sqlite_uri, tmp_path, capsys):
+    """No restart: `rldiag sync` delivers the journal and removes the hidden header file the kill left too."""
+    from rldiag.app.cli.main import main
+    from rldiag.collectors.journal_files import header_tmp
+
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    killed = subprocess.run([sys.executable, "-c", HALF_HEADER, ROLLING, sqlite_uri, "", "0", "1000000"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_id = killed.stdout.split()[1]
+    assert header_tmp(spill, run_id).exists()  # half a header, under the hidden name only
+    journaled = {p[3] for b in read_journal(journal_path(spill, run_id)).pending for p in b.metrics if p[0] == "k7"}
+    assert main(["sync", str(spill), "--tracking-uri", sqlite_uri]) == 0, capsys.readouterr().out
+    steps = {m.step for m in MlflowClient(sqlite_uri).get_metric_history(run_id, "k7")}
+    assert journaled <= steps == set(range(max(steps) + 1))
+    assert sorted(os.listdir(spill)) == []
