@@ -102,14 +102,19 @@ HALF_HEADER = textwrap.dedent("""
 """)
 
 
-def test_sigkill_halfway_through_a_new_segments_header(sqlite_uri, tmp_path):
+def _killed_halfway(sqlite_uri: str, tmp_path: Path) -> tuple[Path, dict, str]:
+    """A rolling writer run until it kills itself halfway through its 3rd segment's header: (spill, env, run id)."""
     spill = tmp_path / "spill"
     spill.mkdir()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     killed = subprocess.run([sys.executable, "-c", HALF_HEADER, ROLLING, sqlite_uri, "", "0", "1000000"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    run_id = killed.stdout.split()[1]
+    return spill, env, killed.stdout.split()[1]
+
+
+def test_sigkill_halfway_through_a_new_segments_header(sqlite_uri, tmp_path):
+    spill, env, run_id = _killed_halfway(sqlite_uri, tmp_path)
     # no file named like a segment without its whole header: segment 3, half its header written, has no name
     segments = segment_files(spill, run_id)
     assert segments and max(n for n, _ in segments) == 2, os.listdir(spill)
@@ -133,13 +138,7 @@ def test_rldiag_sync_after_a_kill_halfway_through_a_header_leaves_nothing(sqlite
     from rldiag.app.cli.main import main
     from rldiag.collectors.journal_files import header_tmp
 
-    spill = tmp_path / "spill"
-    spill.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    killed = subprocess.run([sys.executable, "-c", HALF_HEADER, ROLLING, sqlite_uri, "", "0", "1000000"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    run_id = killed.stdout.split()[1]
+    spill, _, run_id = _killed_halfway(sqlite_uri, tmp_path)
     assert header_tmp(spill, run_id).exists()  # half a header, under the hidden name only
     journaled = {p[3] for b in read_journal(journal_path(spill, run_id)).pending for p in b.metrics if p[0] == "k7"}
     assert main(["sync", str(spill), "--tracking-uri", sqlite_uri]) == 0, capsys.readouterr().out
