@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -128,10 +128,13 @@ class Outcome:
 
 
 class RunImport:
-    """One source run into one MLflow run. `poll()` imports what is new; `close()` ends the MLflow run."""
+    """One source run into one MLflow run. `poll()` imports what is new; `close()` ends the MLflow run.
+    `tags` may be a function of the run's name: it is called when the MLflow run is opened, after the first
+    poll, so that it sees the name the tracker recorded (a W&B run's display name is in its run record)."""
 
-    def __init__(self, reader: Reader, tracking_uri: str, *, tags: Mapping[str, str], experiment: str | None = None):
-        self.reader, self.uri, self.tags, self.experiment = reader, tracking_uri, dict(tags), experiment
+    def __init__(self, reader: Reader, tracking_uri: str, *,
+                 tags: Mapping[str, str] | Callable[[str], Mapping[str, str]], experiment: str | None = None):
+        self.reader, self.uri, self.tags, self.experiment = reader, tracking_uri, tags, experiment
         self.client = self.run_id = self.writer = None
         # MLflow key -> its last step in the store when this import began: points up to it were imported
         # before (within this import the readers' file offsets keep anything from being read twice)
@@ -165,7 +168,8 @@ class RunImport:
         from rldiag.collectors.writer import MetricWriter
 
         r = self.reader
-        tags = {TAG_SOURCE: str(r.source), TAG_SOURCE_ID: source_id(r.source), TAG_TRACKER: r.tracker, **self.tags}
+        mine = self.tags(r.name) if callable(self.tags) else self.tags
+        tags = {TAG_SOURCE: str(r.source), TAG_SOURCE_ID: source_id(r.source), TAG_TRACKER: r.tracker, **mine}
         existing = find_imported(client_for(self.uri), r.source)
         self.client, run = open_run(self.uri, experiment=self.experiment or r.experiment, run_name=r.name,
                                     run_id=existing, tags=tags)

@@ -52,7 +52,7 @@ def import_path(
             for reader in _runs(tracker, path, first=polls == 1, say=say):
                 key = str(reader.source)
                 if key not in imports and key not in ended:
-                    imports[key] = RunImport(reader, tracking_uri, tags=tags_for(reader.name), experiment=experiment)
+                    imports[key] = RunImport(reader, tracking_uri, tags=tags_for, experiment=experiment)
             for key, imp in list(imports.items()):
                 before = _points(imp)
                 out = imp.poll(final=last)
