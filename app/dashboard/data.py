@@ -32,7 +32,7 @@ from rldiag.app.data.store import Store, open_store
 from rldiag.app.errors import DataError, StoreUnreachable
 from rldiag.app.plots.figures import ChartOptions, metric_figure
 from rldiag.app.plots.grid_figure import grid_figure
-from rldiag.app.report.content import ALERT_TAGS
+from rldiag.app.report.content import ALERT_TAGS, table_delta
 from rldiag.collectors import keys
 from rldiag.collectors.uri import redact_text
 
@@ -372,11 +372,11 @@ def available_metrics(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> list[str
 def divergence_rows(divs: Mapping[str, Mapping[str, Divergence]], labels: Mapping[str, str]) -> pd.DataFrame:
     """One row per (candidate, metric) that left the reference band, earliest onset first (the rest,
     within the band or on too few steps, per candidate: `rldiag.app.analysis.divergence.summarize`)."""
-    rows = [{"candidate": labels.get(c, c), "metric": key, "onset_step": d.onset_step, "kind": d.kind,
-             "end_step": d.end_step, "delta": d.delta, "size": d.size or "-",
+    rows = [{"candidate": labels.get(c, c), "metric": key, "onset_step": d.onset_step, "alert_step": d.alert_step,
+             "kind": d.kind, "end_step": d.end_step, "delta": table_delta(d.kind, d.delta), "size": d.size or "-",
              "delta_sigma": sigma_cell(d.delta_sigma), "first_nonfinite_step": d.first_nonfinite_step}
             for key, by_cand in divs.items() for c, d in by_cand.items() if d.diverged]
-    cols = ["candidate", "metric", "onset_step", "kind", "end_step", "delta", "size", "delta_sigma",
+    cols = ["candidate", "metric", "onset_step", "alert_step", "kind", "end_step", "delta", "size", "delta_sigma",
             "first_nonfinite_step"]
     return pd.DataFrame(rows, columns=cols).sort_values(["onset_step", "candidate"], kind="stable",
                                                         ignore_index=True)

@@ -204,6 +204,12 @@ def fmt_stat(v, digits: int = 4) -> str:
     return fmt(v, digits)
 
 
+def table_delta(kind: str | None, delta: float) -> float:
+    """A departure's delta as a table's delta column shows it: a level's move in metric units; NaN (the cell
+    "-") for a variance departure, whose size is in noise terms only ("noise x2.5 the reference's")."""
+    return math.nan if kind == "variance" else delta
+
+
 def fmt_value(v) -> str:
     """A config value as the run holds it; "(missing)" where it does not have it; a non-finite float as
     "NaN", "inf", "-inf" (as `fmt`)."""

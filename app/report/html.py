@@ -18,7 +18,16 @@ from rldiag.app.analysis.step_events import step_event_lines
 from rldiag.app.analysis.verdicts import rows_of
 from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
-from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
+from rldiag.app.report.content import (
+    ReportContent,
+    fmt,
+    fmt_stat,
+    fmt_value,
+    headline,
+    metric_note,
+    status_text,
+    table_delta,
+)
 from rldiag.app.report.nan_episodes import nan_episodes, origin_text
 
 MAX_EVENT_ROWS = 2000  # per-step rows under the NaN episodes; the charts keep every non-finite step regardless
@@ -118,7 +127,8 @@ def _divergence(c: ReportContent) -> str:
         s = summaries.get(r["run_id"])
         rows.append(([e(labels[r["run_id"]]), e(r["key"]), e(status_text(r)), _when(r), e(r["kind"] or "-"),
                       fmt(r["end_step"]) if r["onset_step"] is None or r["end_step"] is not None else "(to the end)",
-                      fmt_stat(r["delta"], 3), e(r["size"]) or "-", sigma_cell(r["delta_sigma"]), fmt(r["first_nonfinite_step"]),
+                      fmt_stat(table_delta(r["kind"], r["delta"]), 3), e(r["size"]) or "-",
+                      sigma_cell(r["delta_sigma"]), fmt(r["first_nonfinite_step"]),
                       fmt(r["steps_compared"]), e(metric_note(s, r["key"]) if s else "") or "-"],
                      {"diverged": "hit", "not_enough_steps": "thin"}.get(r["status"], "")))
     needed = c.summaries[0].steps_needed if c.summaries else None

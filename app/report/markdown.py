@@ -13,7 +13,16 @@ from rldiag.app.analysis.step_events import step_event_lines
 from rldiag.app.analysis.verdicts import rows_of
 from rldiag.app.analysis.worst_tokens import worst_token_lines
 from rldiag.app.data.steps import format_ranges
-from rldiag.app.report.content import ReportContent, fmt, fmt_stat, fmt_value, headline, metric_note, status_text
+from rldiag.app.report.content import (
+    ReportContent,
+    fmt,
+    fmt_stat,
+    fmt_value,
+    headline,
+    metric_note,
+    status_text,
+    table_delta,
+)
 
 MAX_ROWS = 60  # per table: a PR comment holds 65,536 characters
 _ESCAPES = str.maketrans({
@@ -88,7 +97,8 @@ def render_markdown(c: ReportContent) -> str:
         out += _table(["candidate", "metric", "onset step", "alert step", "kind", "end step", "delta",
                        "size (vs reference)", "delta (sigma)", "first non-finite step"],
                       [[md(labels[r["run_id"]]), md(r["key"]), fmt(r["onset_step"]), fmt(r["alert_step"]), md(r["kind"]),
-                        fmt(r["end_step"]) if r["end_step"] is not None else "(to the end)", fmt_stat(r["delta"], 3),
+                        fmt(r["end_step"]) if r["end_step"] is not None else "(to the end)",
+                        fmt_stat(table_delta(r["kind"], r["delta"]), 3),
                         md(r["size"]) or "-", sigma_cell(r["delta_sigma"]), fmt(r["first_nonfinite_step"])]
                        for r in hits], "llrrlrrlrr")
     thin = div[div["status"] == "not_enough_steps"].to_dict("records")
