@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import signal
+import threading
 
 from rldiag.app.cli.options import CliError, add_tracking_option, positive_seconds
 from rldiag.collectors.keys import ROLES, TAG_GROUP, TAG_ROLE, TAG_VARIANT
@@ -38,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--map", default=None, metavar="FILE",
                    help="JSON mapping of run-name patterns to group/role/variant")
     p.add_argument("--follow", action="store_true",
-                   help="keep importing runs that are still being written (and new runs under PATH) until Ctrl-C")
+                   help="keep importing runs that are still being written (and new runs under PATH) until Ctrl-C "
+                        "or SIGTERM")
     p.add_argument("--interval", default="10", metavar="SECONDS",
                    help="seconds between polls with --follow (default 10)")
     p.add_argument("--max-polls", type=int, default=None, metavar="N", help="with --follow, stop after N polls")
@@ -100,6 +103,18 @@ def run(args: argparse.Namespace) -> int:
     mapping = load_map(args.map) if args.map else []
     find_runs(args.tracker, args.path)  # no runs at all: one line (ValueError), before any store is touched
     uri = args.tracking_uri or default_tracking_uri()
-    return import_path(args.tracker, args.path, uri, tags_for=tags_for(args, mapping), experiment=args.experiment,
-                       follow=args.follow, interval_s=interval, max_polls=args.max_polls,
-                       say=lambda line: print(line, flush=True))
+    # SIGTERM (kill, systemd, Kubernetes; a backgrounded `--follow &` never gets Ctrl-C) stops following as
+    # Ctrl-C does: the imported runs are ended, never left RUNNING for the watcher
+    on_term = args.follow and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_term else None
+    try:
+        return import_path(args.tracker, args.path, uri, tags_for=tags_for(args, mapping),
+                           experiment=args.experiment, follow=args.follow, interval_s=interval,
+                           max_polls=args.max_polls, say=lambda line: print(line, flush=True))
+    finally:
+        if on_term:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
