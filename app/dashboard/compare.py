@@ -202,6 +202,9 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         band = f"a band of {len(refs)} reference runs" if len(refs) > 1 else "the reference run"
         if found.reference_note:
             st.caption(found.reference_note)
+        if found.options_text != "defaults":  # as every report's header: an option that moves every verdict is said
+            st.caption(f"Detector options: {escape_md(found.options_text)} (rldiag app --detector; the defaults "
+                       "suit most runs).")
         if note := reference_empty_text(h, refs, sel.labels, trl_params):
             st.warning(note, icon=":material/warning:")
         if found.all_clear:  # finite and checked gradients, every metric in full on enough steps, no departure
