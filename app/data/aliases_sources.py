@@ -1,10 +1,10 @@
 """Where every foreign metric name comes from: each RL framework's key, read in that framework's own source.
 
 `FOREIGN_METRICS` lists, per framework, the exact key string the framework logs, what it measures, and the
-file it was read from (repository and path, as of the snapshots read on 2026-12-07). `canonical` is the
-rldiag key it is read as, only where the two definitions agree (aggregation or scaling may differ: then
-`definition` says how); `None` means rldiag keeps it under its own name (a known metric, never mapped onto a
-near one). `keys.ALIASES` is the table the loader applies; a test pins that the two agree both ways.
+file it was read from (repository and path, as of the snapshots read on 2026-12-07; Miles's on 2026-12-08).
+`canonical` is the rldiag key it is read as, only where the two definitions agree (aggregation or scaling may
+differ: then `definition` says how); `None` means rldiag keeps it under its own name (a known metric, never
+mapped onto a near one). `keys.ALIASES` is the table the loader applies; a test pins that the two agree both ways.
 `aliases_markdown()` renders the table for docs/metrics.md.
 
 Rule for the ratio-based policy metrics: rldiag's `policy/ratio_*`, `policy/kl_new_old*` and `policy/ess*` are
@@ -39,6 +39,10 @@ _NEMO = ("NVIDIA-NeMo/RL nemo_rl/algorithms/loss/loss_functions.py (logged with 
          "nemo_rl/algorithms/grpo.py)")
 _SLIME = ("THUDM/slime slime/backends/megatron_utils/loss.py (logged as train/<key> by "
           "slime/backends/megatron_utils/model.py)")
+_MILES = ("radixark/miles miles/backends/training_utils/loss_hub/losses.py (logged as train/<key> by "
+          "miles/backends/training_utils/log_utils.py)")
+_MILES_MATH = "radixark/miles miles/backends/training_utils/loss_hub/math_utils.py"
+_MILES_TIS = "radixark/miles miles/backends/training_utils/loss_hub/corrections.py"
 _PRIME = "PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/train.py, src/prime_rl/trainer/rl/loss.py"
 _ORLHF = "OpenRLHF/OpenRLHF openrlhf/models/loss.py (logged as train/<key> by openrlhf/utils/logging_utils.py)"
 _SKYRL = "NovaSky-AI/SkyRL skyrl/train/trainer.py"
@@ -123,7 +127,7 @@ FOREIGN_METRICS: tuple[ForeignMetric, ...] = (
     ForeignMetric("NeMo-RL", "train/policy_kl_error", None, "KL(P_train || P_gen), the same estimator", _NEMO),
     ForeignMetric("NeMo-RL", "train/probs_ratio", None, "mean exp(curr - prev_logprobs), prev = the trainer's",
                   _NEMO),
-    # --- slime / Miles
+    # --- slime
     ForeignMetric("slime", "train/train_rollout_logprob_abs_diff", K.MISMATCH_LOGPROB_MEAN,
                   "|old_log_probs - rollout_log_probs| (current log_probs under --use-rollout-logprobs), "
                   "per-sample token means summed over samples (sample-level aggregation)", _SLIME),
@@ -132,6 +136,31 @@ FOREIGN_METRICS: tuple[ForeignMetric, ...] = (
     ForeignMetric("slime", "train/ppo_kl", None, "k1 of old_log_probs - log_probs, per-sample means", _SLIME),
     ForeignMetric("slime", "train/grad_norm", K.GRAD_NORM, "total gradient norm",
                   "THUDM/slime slime/backends/megatron_utils/model.py"),
+    # --- Miles (radixark's fork of slime: the shared names are the same formulas)
+    ForeignMetric("Miles", "train/train_rollout_logprob_abs_diff", K.MISMATCH_LOGPROB_MEAN,
+                  "|lp_trainer - lp_engine| at the rollout weights (the trainer's recomputed log_probs vs "
+                  "rollout_log_probs), per-sample token means averaged over samples; 0 under --use-rollout-logprobs, "
+                  "where its old logprobs are the rollout's", _MILES),
+    ForeignMetric("Miles", "train/train_rollout_kl", None,
+                  "k3 KL(rollout || trainer) at the sampled tokens, r = exp(lp_trainer - lp_rollout), log-ratio "
+                  "clamped to [-10, 10], the trainer at the rollout weights (not the updated policy: "
+                  "policy/kl_new_old), per-sample means", _MILES),
+    ForeignMetric("Miles", "train/ess_ratio", None,
+                  "per sample (sum w)^2 / (n sum w^2), w = exp(log_probs - old_log_probs), old the trainer's "
+                  "recomputed (the rollout's under --use-rollout-logprobs), averaged over samples: a per-sequence "
+                  "ESS, not the batch's (policy/ess)", _MILES_MATH),
+    ForeignMetric("Miles", "train/ois", None, "exp(log_probs - old_log_probs), per-sample means (with --use-tis or "
+                  "--get-mismatch-metrics)", _MILES),
+    ForeignMetric("Miles", "train/tis", None,
+                  "exp(lp_trainer - lp_rollout) at the rollout weights before truncation to [tis_clip_low, "
+                  "tis_clip], per-sample means (with --use-tis or --get-mismatch-metrics)", _MILES_TIS),
+    ForeignMetric("Miles", "train/tis_clipfrac", None, "tokens whose train/tis weight the truncation changed",
+                  _MILES_TIS),
+    ForeignMetric("Miles", "train/pg_clipfrac", K.CLIP_ACTIVE_RATE,
+                  "tokens where the clipped loss binds (pg_losses2 > pg_losses1), per-sample means", _MILES_MATH),
+    ForeignMetric("Miles", "train/ppo_kl", None, "k1 of old_log_probs - log_probs, per-sample means", _MILES),
+    ForeignMetric("Miles", "train/grad_norm", K.GRAD_NORM, "global gradient L2 norm before clipping",
+                  "radixark/miles miles/backends/training_utils/log_utils.py (log_train_step)"),
     # --- prime-rl
     ForeignMetric("prime-rl", "mismatch_kl/all/mean", K.KL_NEW_OLD,
                   "k3 (r - log r - 1) with r = exp(trainer_logprobs - inference_logprobs), the trainer's current "
@@ -195,7 +224,6 @@ FOREIGN_METRICS: tuple[ForeignMetric, ...] = (
 
 # Looked for and not found in the sources read (listed, never guessed).
 NOT_READ: tuple[tuple[str, str], ...] = (
-    ("Miles", "the slime fork's own keys were not read; slime's keys above are from THUDM/slime"),
     ("AReaL", "no train-inference logprob-difference metric found (its mismatch is the behave_* family)"),
     ("ROLL", "no effective-sample-size metric found"),
 )

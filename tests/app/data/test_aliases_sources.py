@@ -16,7 +16,8 @@ from rldiag.app.data.store import open_store
 from rldiag.collectors import keys
 from tests.helpers.runs import T0_MS, log_raw, write_run
 
-FRAMEWORKS = ("TRL", "verl", "NeMo-RL", "slime", "prime-rl", "OpenRLHF", "SkyRL", "AReaL", "ROLL", "PipelineRL")
+FRAMEWORKS = ("TRL", "verl", "NeMo-RL", "slime", "Miles", "prime-rl", "OpenRLHF", "SkyRL", "AReaL", "ROLL",
+              "PipelineRL")
 
 
 def test_the_alias_table_is_exactly_the_sourced_aliases():
@@ -64,7 +65,9 @@ def _runs_for(framework: str) -> list[list[tuple[str, str | None]]]:
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_run_under_the_frameworks_exact_keys_reads_onto_the_canonical_keys(store_uri, framework):
     store = open_store(store_uri)
-    for n, names in enumerate(_runs_for(framework)):
+    runs = _runs_for(framework)
+    assert runs, f"no name of {framework}'s was read from its source"
+    for n, names in enumerate(runs):
         rid = write_run(store_uri, name=f"{framework}-{n}")
         # each name gets its own values (0.25 * i + 0.01 * step) so a wrong mapping shows as wrong numbers
         log_raw(store_uri, rid, [(key, 0.25 * i + 0.01 * s, T0_MS + s, s)
