@@ -31,6 +31,7 @@ from rldiag.app.analysis.causes_signatures import (
     first_step,
     nonfinite_signature,
     parity,
+    parity_unknown,
 )
 from rldiag.app.data.histories import Histories
 
@@ -382,7 +383,7 @@ def likely_causes(histories: Histories, configs: Mapping[str, object], reference
                 notes.append(f"non-finite gradients from step {r.nonfinite.steps[0]}: no known signature fits; "
                              "the NaN events page names the parameters")
             if r.parity is None and r.departures:
-                notes.append("no mismatch metric logged, so engine parity cannot be judged")
+                notes.append(parity_unknown(r.h, r.run))
         out.append(RunCauses(cand, tuple(causes), also, tuple(notes), tuple(failed)))
     return out
 

@@ -101,6 +101,16 @@ def _tol(h: Histories, refs: Sequence[str], steps: np.ndarray) -> np.ndarray:
     return tol
 
 
+def parity_unknown(h: Histories, run: str) -> str:
+    """Why `parity` is None: no mismatch metric at all, or only others than the mean logprob difference it reads
+    (verl logs only the probability difference's maximum)."""
+    others = [k for k in (K.MISMATCH_LOGPROB_MAX, K.MISMATCH_PROB_MAX, K.MISMATCH_TOKEN_MULT_PROB_ERROR,
+                          K.MISMATCH_LOW_PROB_SHARE) if (t := h.get(run, k)) is not None and len(t)]
+    if not others:
+        return "no mismatch metric logged, so engine parity cannot be judged"
+    return f"engine parity is judged on {K.MISMATCH_LOGPROB_MEAN}, which it did not log (it logged {', '.join(others)})"
+
+
 def parity(h: Histories, run: str, refs: Sequence[str]) -> Parity | None:
     """The candidate's `Parity`, or None when it logged no mismatch metric."""
     t = h.get(run, K.MISMATCH_LOGPROB_MEAN)
