@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("rldiag.app.cli.demo", "run the example RL loop with rldiag's collectors into the tracking store"),
     "sync": ("rldiag.app.cli.sync", "replay a writer journal (metrics not yet delivered) into the store"),
     "experiment": ("rldiag.app.cli.experiment", "run a reproduction (masked-vs-unmasked, engine-parity) into the store"),
-    "watch": ("rldiag.app.cli.watch", "alert on non-finite gradients in active MLflow runs (any logger)"),
+    "watch": ("rldiag.app.cli.watch", "alert on non-finite gradients and degenerate importance weights in active runs"),
     "report": ("rldiag.app.cli.report", "write a run-comparison report: self-contained HTML and a Markdown summary"),
     "app": ("rldiag.app.cli.app", "open the dashboard in the browser: overlay runs, divergence, NaN events, config diff"),
     "preflight": ("rldiag.app.cli.preflight", "check engine-trainer logprob parity at equal weights before a run, knob by knob"),

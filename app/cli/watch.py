@@ -29,8 +29,11 @@ alerted. In an fp16 run rldiag did not watch (params fp16=True), a short streak 
 with a finite loss is held back until the next finite row (then told as a likely scaler overflow) or
 alerted once it lasts 8 logged rows, has a NaN loss, or the run ends in it. Steps with no valid tokens
 (batch/valid_tokens 0, or TRL's completions/clipped_ratio 1 with mask_truncated_completions=True: every token
-masked) are told once as no_valid_tokens, never alerted. The state file remembers what was already
-alerted, so a restarted watcher neither repeats nor misses an event.
+masked) are told once as no_valid_tokens, never alerted. An importance-sampling effective sample size
+(policy/ess, or a framework's alias of it) a fifth below its baseline for 3 logged steps while a mismatch
+metric (mismatch/low_prob_share, mismatch/logprob_abs_diff_mean, ...) at least doubles is alerted as
+is_degenerate, with both metrics before and after. The state file remembers what was already alerted, so a
+restarted watcher neither repeats nor misses an event.
 """
 
 

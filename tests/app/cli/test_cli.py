@@ -112,3 +112,9 @@ def test_report_into_an_unwritable_folder_fails_before_reading_the_store(tmp_pat
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.startswith(f"rldiag report: error: cannot write the report into '{blocker}"), out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no store opened, nothing written
+
+
+def test_watch_help_says_it_tells_an_ess_drop_with_a_rising_mismatch(tmp_path):
+    out = rldiag("watch", "--help", cwd=tmp_path)
+    assert out.returncode == 0
+    assert "is_degenerate" in out.stdout and "policy/ess" in out.stdout and "mismatch/low_prob_share" in out.stdout
