@@ -43,6 +43,7 @@ from rldiag.app.report.content import (
     nonfinite_text,
     others_text,
     reference_empty_text,
+    verdict_table_shown,
 )
 from rldiag.collectors import keys
 
@@ -218,7 +219,7 @@ def _charts(sel: Selection, run_ids: list[str], metric_keys: list[str], options:
         glance.markdown(glance_line(summaries, sel.labels, len(refs)))
         # the why, before any chart: per candidate its verdict, where it departs, its likely cause and fix
         rows = verdict_rows(found, sel.labels)
-        if any(r.departs != "-" or r.cause != "-" for r in rows):  # a static table: the fix wraps, never cut
+        if verdict_table_shown(rows):  # a static table: the fix wraps, never cut
             # as HTML, not Markdown with HTML allowed: the page then needs no HTML-in-Markdown parser (188 KB of
             # the browser's scripts to load and run on every fresh page, and the table parsed through it)
             glance.html(html_table(pd.DataFrame(rows, columns=["candidate", "verdict", "departs", "likely cause",

@@ -210,6 +210,13 @@ def table_delta(kind: str | None, delta: float) -> float:
     return math.nan if kind == "variance" else delta
 
 
+def verdict_table_shown(rows: Sequence[V.VerdictRow]) -> bool:
+    """Whether the verdict table (`verdicts.rows_of`) heads the report and the Compare page: where a candidate
+    departs, has a likely cause or is short of an all-clear (a metric stopped early, gradients unchecked, too
+    few steps), never only to repeat that every candidate is within the band."""
+    return any(r.departs != "-" or r.cause != "-" or r.verdict != V.STATUS_WORDS["within"] for r in rows)
+
+
 def fmt_value(v) -> str:
     """A config value as the run holds it; "(missing)" where it does not have it; a non-finite float as
     "NaN", "inf", "-inf" (as `fmt`)."""

@@ -27,6 +27,7 @@ from rldiag.app.report.content import (
     metric_note,
     status_text,
     table_delta,
+    verdict_table_shown,
 )
 from rldiag.app.report.nan_episodes import nan_episodes, origin_text
 
@@ -113,7 +114,7 @@ def _verdict(c: ReportContent) -> str:
     labels = c.labels
     lines = "<ul>" + "".join(f"<li>{e(headline(s, labels[s.run_id]))}</li>" for s in c.summaries) + "</ul>"
     rows = rows_of(c.summaries, c.causes, labels)
-    if not any(r.departs != "-" or r.cause != "-" for r in rows):
+    if not verdict_table_shown(rows):
         return lines
     return lines + _table(["candidate", "verdict", "departs", "likely cause", "fix"],
                           [([e(x) for x in r], "hit" if r.departs != "-" else "") for r in rows])

@@ -22,6 +22,7 @@ from rldiag.app.report.content import (
     metric_note,
     status_text,
     table_delta,
+    verdict_table_shown,
 )
 
 MAX_ROWS = 60  # per table: a PR comment holds 65,536 characters
@@ -78,7 +79,7 @@ def render_markdown(c: ReportContent) -> str:
             ""]
 
     rows = rows_of(c.summaries, c.causes, labels)  # the Compare page's table above its charts, the same rows
-    if any(r.departs != "-" or r.cause != "-" for r in rows):
+    if verdict_table_shown(rows):
         out += ["### Verdict", ""] + _table(["candidate", "verdict", "departs", "likely cause", "fix"],
                                             [[md(x) or "-" for x in r] for r in rows]) + [""]
     out += ["### Divergence from the references", ""]

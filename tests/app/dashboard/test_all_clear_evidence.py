@@ -88,3 +88,38 @@ def test_the_report_names_what_is_missing(runs):
     [seed] = [t for t in lines if t.startswith("seed: ")]
     assert "stays within the reference band on 3 metrics compared" in seed
     assert not any(m for _, m in CASES.values() if m in seed)
+
+
+def _verdict_rows(markup: str) -> dict[str, str]:
+    """{candidate: verdict} of the HTML verdict table in `markup` (the report's or the page's); {} without one."""
+    import html
+    import re
+
+    tables = [t for t in re.findall(r"<table>(.*?)</table>", markup, re.DOTALL) if "<th>departs</th>" in t]
+    if not tables:
+        return {}
+    rows = [[html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.DOTALL)]
+            for r in re.findall(r"<tr[^>]*>(.*?)</tr>", tables[0].split("<tbody>", 1)[1], re.DOTALL)]
+    return {r[0]: r[1] for r in rows}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_verdict_table_says_not_an_all_clear_where_nothing_departs(runs, monkeypatch, name):
+    # no departure and no likely cause, but short of an all-clear: the report's top (its Verdict table, HTML and
+    # Markdown) says so as the page's does; the table was left out where no candidate departed or had a cause,
+    # so the report's first line for the candidate read "stays within the reference band"
+    uri, ids = runs
+    report = build_report(uri, reference=ids["ref"], candidates=[ids["seed"], ids[name]], keys=list(KEYS))
+    expected = {"seed": "within the band", name: "no departure found, not an all-clear"}
+    assert _verdict_rows(report.html) == expected
+    block = report.markdown.split("### Verdict", 1)[1].split("###", 1)[0]
+    md = {unescape_md(r[0]): r[1] for r in (line.strip("| ").split(" | ") for line in block.splitlines()
+                                            if line.startswith("| "))}
+    assert md == {"candidate": "verdict", "seed": "within the band", name: "no departure found, not an all-clear"}
+    at = app(uri, monkeypatch, "compare")
+    _page(at, ids["ref"], [ids["seed"], ids[name]])
+    [table] = [m.value for m in at.html if "<th>departs</th>" in m.value]
+    assert _verdict_rows(table) == expected
+    # a clean candidate alone: the all-clear stands and no table repeats it
+    clean = build_report(uri, reference=ids["ref"], candidates=[ids["seed"]], keys=list(KEYS))
+    assert "### Verdict" not in clean.markdown and _verdict_rows(clean.html) == {}
