@@ -141,6 +141,7 @@ ALIASES: dict[str, str] = {
     "actor/entropy": ENTROPY,
     "actor/grad_norm": GRAD_NORM,
     "training/rollout_probs_diff_max": MISMATCH_PROB_MAX,
+    "critic/score/mean": REWARD_MEAN,
     # OpenRLHF
     "ppo_clip_ratio": CLIP_ACTIVE_RATE,
     # Every framework's names, each read in its own source: app/data/aliases_sources.py says where and how

@@ -35,6 +35,7 @@ _VERL_CORR = "volcengine/verl verl/trainer/ppo/rollout_corr_helper.py"
 _VERL_DEBUG = "volcengine/verl verl/utils/debug/metrics.py"
 _VERL_ALGOS = "volcengine/verl verl/trainer/ppo/core_algos.py"
 _VERL_ACTOR = "volcengine/verl verl/workers/actor/dp_actor.py"
+_VERL_DATA = "volcengine/verl verl/trainer/ppo/metric_utils.py (compute_data_metrics)"
 _NEMO = ("NVIDIA-NeMo/RL nemo_rl/algorithms/loss/loss_functions.py (logged with prefix train/ by "
          "nemo_rl/algorithms/grpo.py)")
 _SLIME = ("THUDM/slime slime/backends/megatron_utils/loss.py (logged as train/<key> by "
@@ -118,6 +119,12 @@ FOREIGN_METRICS: tuple[ForeignMetric, ...] = (
                   _VERL_ALGOS),
     ForeignMetric("verl", "actor/entropy", K.ENTROPY, "token entropy, aggregated per loss_agg_mode", _VERL_ACTOR),
     ForeignMetric("verl", "actor/grad_norm", K.GRAD_NORM, "total gradient norm before clipping", _VERL_ACTOR),
+    ForeignMetric("verl", "critic/score/mean", K.REWARD_MEAN,
+                  "mean over the batch's sequences of the reward function's score (token_level_scores summed per "
+                  "sequence), aborted sequences left out", _VERL_DATA),
+    ForeignMetric("verl", "critic/rewards/mean", None,
+                  "the same after the in-reward KL penalty (token_level_rewards; the score when use_kl_in_reward is "
+                  "off)", _VERL_DATA),
     # --- NeMo-RL
     ForeignMetric("NeMo-RL", "train/token_mult_prob_error", K.MISMATCH_TOKEN_MULT_PROB_ERROR,
                   "masked mean of exp(|generation_logprobs - prev_logprobs|), global token mean", _NEMO),

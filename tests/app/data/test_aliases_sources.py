@@ -81,3 +81,9 @@ def test_a_run_under_the_frameworks_exact_keys_reads_onto_the_canonical_keys(sto
             assert t.steps.tolist() == list(range(5))
         aliased = {c for _, c in names if c is not None}
         assert aliased <= set(h.keys)
+
+
+def test_verls_score_is_read_as_the_reward():
+    # verl's reward curve is critic/score/mean (trainer/ppo/metric_utils.py); critic/rewards/mean has the in-reward
+    # KL penalty subtracted, so it is kept under its own name
+    assert keys.ALIASES.get("critic/score/mean") == keys.REWARD_MEAN and "critic/rewards/mean" not in keys.ALIASES
