@@ -141,7 +141,7 @@ def _divergence_summary(table: pd.DataFrame, summaries: list[CandidateSummary], 
                "where it started (placed after the fact), also marked on the charts; a metric still out at the end "
                "leads one that came back, the larger first; a metric needs "
                f"{needed} compared steps before staying inside says anything.")
-    if len(table) and st.toggle("Every onset (candidate x metric)", key="compare.divergence.all"):
+    if len(table) and st.toggle("Every departure (candidate x metric)", key="compare.divergence.all"):
         st.dataframe(table, hide_index=True, key="compare.divergence", column_config={
             "delta": st.column_config.NumberColumn(format="%.4g"),
             "size": st.column_config.TextColumn("size (vs reference)"),

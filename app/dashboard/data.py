@@ -33,6 +33,7 @@ from rldiag.app.errors import DataError, StoreUnreachable
 from rldiag.app.plots.figures import ChartOptions, metric_figure
 from rldiag.app.plots.grid_figure import grid_figure
 from rldiag.app.report.content import ALERT_TAGS, table_delta
+from rldiag.app.report.table_rows import departure_views
 from rldiag.collectors import keys
 from rldiag.collectors.uri import redact_text
 
@@ -370,16 +371,18 @@ def available_metrics(runs_df: pd.DataFrame, run_ids: Sequence[str]) -> list[str
 
 
 def divergence_rows(divs: Mapping[str, Mapping[str, Divergence]], labels: Mapping[str, str]) -> pd.DataFrame:
-    """One row per (candidate, metric) that left the reference band, earliest onset first (the rest,
+    """One row per departure from the reference band, earliest (lead) onset first (the rest,
     within the band or on too few steps, per candidate: `rldiag.app.analysis.divergence.summarize`)."""
-    rows = [{"candidate": labels.get(c, c), "metric": key, "onset_step": d.onset_step, "alert_step": d.alert_step,
-             "kind": d.kind, "end_step": d.end_step, "delta": table_delta(d.kind, d.delta), "size": d.size or "-",
-             "delta_sigma": sigma_cell(d.delta_sigma), "first_nonfinite_step": d.first_nonfinite_step}
-            for key, by_cand in divs.items() for c, d in by_cand.items() if d.diverged]
+    # a metric that left the band twice: a row per departure, the verdict's first, kept together at its onset
+    rows = [{"candidate": labels.get(c, c), "metric": key, "onset_step": v.onset_step, "alert_step": v.alert_step,
+             "kind": v.kind, "end_step": v.end_step, "delta": table_delta(v.kind, v.delta), "size": v.size or "-",
+             "delta_sigma": sigma_cell(v.delta_sigma), "first_nonfinite_step": v.first_nonfinite_step,
+             "_at": d.lead.onset_step}
+            for key, by_cand in divs.items() for c, d in by_cand.items() if d.diverged for v in departure_views(d)]
     cols = ["candidate", "metric", "onset_step", "alert_step", "kind", "end_step", "delta", "size", "delta_sigma",
             "first_nonfinite_step"]
-    return pd.DataFrame(rows, columns=cols).sort_values(["onset_step", "candidate"], kind="stable",
-                                                        ignore_index=True)
+    return pd.DataFrame(rows, columns=[*cols, "_at"]).sort_values(["_at", "candidate"], kind="stable",
+                                                                  ignore_index=True)[cols]
 
 
 def with_grad_keys(metric_keys: Sequence[str]) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from rldiag.app.report.content import (
     verdict_table_shown,
 )
 from rldiag.app.report.nan_episodes import nan_episodes, origin_text
+from rldiag.app.report.table_rows import table_rows
 
 MAX_EVENT_ROWS = 2000  # per-step rows under the NaN episodes; the charts keep every non-finite step regardless
 MAX_CONFIG_CHARS = 120  # a config cell; longer values are cut with their length said
@@ -124,7 +125,7 @@ def _divergence(c: ReportContent) -> str:
     labels = c.labels
     summaries = {s.run_id: s for s in c.summaries}
     rows = []
-    for r in c.divergence.to_dict("records"):
+    for r in table_rows(c.divergence.to_dict("records"), c.summaries):  # a row per departure
         s = summaries.get(r["run_id"])
         rows.append(([e(labels[r["run_id"]]), e(r["key"]), e(status_text(r)), _when(r), e(r["kind"] or "-"),
                       fmt(r["end_step"]) if r["onset_step"] is None or r["end_step"] is not None else "(to the end)",

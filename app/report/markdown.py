@@ -24,6 +24,7 @@ from rldiag.app.report.content import (
     table_delta,
     verdict_table_shown,
 )
+from rldiag.app.report.table_rows import table_rows
 
 MAX_ROWS = 60  # per table: a PR comment holds 65,536 characters
 _ESCAPES = str.maketrans({
@@ -92,7 +93,7 @@ def render_markdown(c: ReportContent) -> str:
         if s.run_id in causes and causes[s.run_id].line():
             out.append("  - " + md(causes[s.run_id].line()))
     div = c.divergence
-    hits = div[div["status"] == "diverged"].to_dict("records")
+    hits = table_rows(div[div["status"] == "diverged"].to_dict("records"), c.summaries)  # a row per departure
     if hits:
         out.append("")
         out += _table(["candidate", "metric", "onset step", "alert step", "kind", "end step", "delta",
