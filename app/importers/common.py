@@ -68,32 +68,42 @@ def whole_records(path: Path, start: int, read_records, chunk: int = CHUNK_BYTES
 
 
 def read_whole_records(path: Path, start: int, compat, parse, out: Poll, *, limit: int, final: bool, what: str,
-                       writer: str) -> tuple[int, bool]:
+                       writer: str, resync: Callable[[Path, int], int | None] | None = None) -> tuple[int, bool]:
     """Parse each whole record of `path` from offset `start` into `out` (`parse(record, out)`), up to `limit`
     points; returns `(offset reached, broken)`. Each problem is one line in `out.problems` naming the file: a
-    record that does not parse as `what` (skipped), a corrupt record or a read error (the rest of the file is
-    skipped: broken), and, when `final`, a partial record at the end (`writer` is still writing it)."""
+    record that does not parse as `what` (skipped), a corrupt record (reading goes on from `resync(path,
+    offset)`, the next record start the format can find after it; without one, or None, the rest of the file
+    is skipped: broken) or a read error (broken), and, when `final`, a partial record at the end (`writer` is
+    still writing it)."""
     done, broken, size = start, False, 0
-    try:
-        for end, record in whole_records(path, done, compat.read_records):
-            try:
-                parse(record, out)
-            except Exception as e:  # noqa: BLE001 - a record that passed its CRC but does not parse
-                out.problems.append(f"{path}: the record at byte {done} is not {what} ({type(e).__name__}); "
-                                    "skipped it")
-            done = end
-            if len(out.points) >= limit:
-                out.more = True
-                break
-        size = path.stat().st_size
-    except compat.CorruptRecord as e:
-        broken = True
-        out.problems.append(f"{path}: corrupt at byte {e.offset} ({e.why}); the records before it were imported, "
-                            "the rest of this file is skipped")
-    except OSError as e:
-        broken = True
-        out.problems.append(f"{path}: cannot read it ({e.strerror or e}); the records before byte {done} were "
-                            "imported, the rest of this file is skipped")
+    while True:
+        try:
+            for end, record in whole_records(path, done, compat.read_records):
+                try:
+                    parse(record, out)
+                except Exception as e:  # noqa: BLE001 - a record that passed its CRC but does not parse
+                    out.problems.append(f"{path}: the record at byte {done} is not {what} ({type(e).__name__}); "
+                                        "skipped it")
+                done = end
+                if len(out.points) >= limit:
+                    out.more = True
+                    break
+            size = path.stat().st_size
+        except compat.CorruptRecord as e:
+            after = resync(path, e.offset) if resync is not None else None
+            if after is not None and after > e.offset:
+                out.problems.append(f"{path}: corrupt at byte {e.offset} ({e.why}); bytes {e.offset}-{after} are "
+                                    "skipped, the records before and after them imported")
+                done = after
+                continue
+            broken = True
+            out.problems.append(f"{path}: corrupt at byte {e.offset} ({e.why}); the records before it were "
+                                "imported, the rest of this file is skipped")
+        except OSError as e:
+            broken = True
+            out.problems.append(f"{path}: cannot read it ({e.strerror or e}); the records before byte {done} were "
+                                "imported, the rest of this file is skipped")
+        break
     if final and not out.more and not broken and done < size:
         out.problems.append(f"{path}: ends in a partial record ({size - done} bytes at byte {done}): still being "
                             "written, or cut short; the whole records before it were imported (import again, or "

@@ -70,6 +70,29 @@ def read_records(buf: bytes, base: int = len(FILE_HEADER)) -> Iterator[tuple[int
                 parts = None
 
 
+def resync(path, offset: int) -> int | None:
+    """Where reading goes on after a corrupt chunk at `offset`: the first later chunk that starts a record
+    (full or first) and passes its CRC, found byte by byte (a false match needs a CRC-32 collision); the chunks
+    that continue a record begun before it are never taken for a start. None where the file has none."""
+    with open(path, "rb") as fh:
+        start = offset + 1
+        while True:
+            fh.seek(start)
+            buf = fh.read(2 * BLOCK)  # a chunk never crosses a block: one starting in the first half ends in buf
+            for i in range(min(BLOCK, len(buf) - CHUNK_HEADER + 1)):
+                pos = start + i
+                left = BLOCK - pos % BLOCK
+                crc, length, kind = struct.unpack_from("<IHB", buf, i)
+                if kind not in (FULL, FIRST) or left < CHUNK_HEADER or length > left - CHUNK_HEADER \
+                        or i + CHUNK_HEADER + length > len(buf):
+                    continue
+                if zlib.crc32(buf[i + CHUNK_HEADER:i + CHUNK_HEADER + length], zlib.crc32(bytes([kind]))) == crc:
+                    return pos
+            if len(buf) <= BLOCK:
+                return None
+            start += BLOCK
+
+
 def parse_record(data: bytes):
     """One `wandb_internal_pb2.Record`, and the name of its `record_type` (history, run, config, exit...)."""
     from wandb.proto import wandb_internal_pb2

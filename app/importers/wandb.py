@@ -5,7 +5,9 @@
 
 History rows give each numeric item at the row's `_step` and `_timestamp` (W&B's own `_`-keys are left
 out; a nested dict's items are named `parent.child`, as W&B shows them); the run's config and later
-config updates become params; the exit record ends the run (FAILED on a non-zero exit code).
+config updates become params; the exit record ends the run (FAILED on a non-zero exit code). After a corrupt
+chunk, reading goes on at the next chunk that passes its CRC (`compat_wandb.resync`): only the damaged records
+are lost.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class WandbRun:
                 return out
             self._offset = len(head)
         self._offset, broken = read_whole_records(self.file, self._offset, compat, self._record, out, limit=limit,
-                                                  final=final, what="a W&B record", writer="wandb")
+                                                  final=final, what="a W&B record", writer="wandb",
+                                                  resync=compat.resync)
         self._broken = self._broken or broken
         out.ended = self._ended
         return out

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from rldiag.app.cli.main import main
+from rldiag.app.importers import compat_wandb
 from rldiag.app.data.histories import load_histories
 from rldiag.app.data.store import open_store
 from rldiag.app.importers.loop import import_path
@@ -68,7 +69,38 @@ def test_a_corrupt_record_is_one_line_and_the_records_before_it_are_imported(sto
     assert problem.startswith(f"{f}: corrupt at byte ")
     (run,) = imported_runs(store_uri)
     steps = load_histories(open_store(store_uri), [run.info.run_id], ["loss"]).get(run.info.run_id, "loss").steps
-    assert 50 < len(steps) < 250 and list(steps) == list(range(len(steps)))
+    assert len(steps) >= 299 and steps[0] == 0 and steps[-1] == 299  # the damaged row at most is lost
+
+
+def test_after_a_corrupt_record_the_records_after_it_are_imported(store_uri, tmp_path, capsys):
+    # reading goes on at the next chunk that passes its CRC (found byte by byte): only the damaged row is lost
+    f = write_wandb(tmp_path, ((s, {"loss": float(s)}) for s in range(800)))
+    data = bytearray(f.read_bytes())
+    for end, record in compat_wandb.read_records(bytes(data[len(compat_wandb.FILE_HEADER):])):
+        kind, rec = compat_wandb.parse_record(record)
+        if kind == "history" and {compat_wandb.item_key(i): i.value_json for i in rec.history.item}["_step"] == "400":
+            data[end - 1] ^= 0xFF  # the record's last data byte
+            break
+    f.write_bytes(bytes(data))
+    assert main(["import", "wandb", str(f.parent), "--tracking-uri", store_uri]) == 1
+    (problem,) = [ln for ln in capsys.readouterr().out.splitlines() if ": corrupt at byte" in ln]
+    assert problem.startswith(f"{f}: corrupt at byte ") and "the records before and after them imported" in problem
+    (run,) = imported_runs(store_uri)
+    steps = load_histories(open_store(store_uri), [run.info.run_id], ["loss"]).get(run.info.run_id, "loss").steps
+    assert sorted(set(range(800)) - set(steps.tolist())) == [400]
+
+
+def test_a_corrupt_first_record_loses_only_itself(store_uri, tmp_path, capsys):
+    # a small run (one 32 KiB block): damaged near the start, every history row after it is still imported
+    f = write_wandb(tmp_path, ((s, {"loss": float(s)}) for s in range(50)))
+    data = bytearray(f.read_bytes())
+    data[100] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert main(["import", "wandb", str(f.parent), "--tracking-uri", store_uri]) == 1
+    assert f"{f}: corrupt at byte " in capsys.readouterr().out
+    (run,) = imported_runs(store_uri)
+    steps = load_histories(open_store(store_uri), [run.info.run_id], ["loss"]).get(run.info.run_id, "loss").steps
+    assert steps.tolist() == list(range(50))
 
 
 def test_not_a_wandb_run_is_one_line_naming_the_file(store_uri, tmp_path, capsys):
