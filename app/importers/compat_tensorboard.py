@@ -52,6 +52,33 @@ def read_records(buf: bytes, base: int = 0) -> Iterator[tuple[int, bytes]]:
         pos = end
 
 
+def resync(path, offset: int, window: int = 1 << 20) -> int | None:
+    """Where reading goes on after a corrupt record at `offset`: the first later position whose length passes
+    its CRC and whose data passes theirs, found byte by byte (a false match needs two CRC collisions); None
+    where the file has none."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as crc
+
+    with open(path, "rb") as fh:
+        size = fh.seek(0, 2)
+        start = offset + 1
+        while start + HEADER <= size:
+            fh.seek(start)
+            buf = fh.read(window + HEADER)
+            for i in range(min(window, len(buf) - HEADER + 1)):
+                head = buf[i:i + 8]
+                (length,) = struct.unpack("<Q", head)
+                if start + i + HEADER + length + FOOTER > size:
+                    continue
+                if struct.unpack("<I", buf[i + 8:i + 12])[0] != crc(head):
+                    continue
+                fh.seek(start + i + HEADER)
+                data = fh.read(length + FOOTER)
+                if struct.unpack("<I", data[length:])[0] == crc(data[:length]):
+                    return start + i
+            start += window
+    return None
+
+
 @dataclass
 class Scalar:
     tag: str

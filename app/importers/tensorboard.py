@@ -4,8 +4,8 @@
         poll = run.poll(final=True)            # scalars since the previous poll, hparams, problems
 
 Each event file is read from where the previous poll stopped (a run still being written is followed
-cheaply); a partial record at the end waits for its writer; a record that fails its CRC ends that
-file's reading with one line naming the file, and what came before it is imported.
+cheaply); a partial record at the end waits for its writer; a record that fails its CRC is one line
+naming the file, and reading goes on at the next record whose CRCs pass (`compat_tensorboard.resync`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,6 @@ class TensorBoardRun:
 
         self._offsets[f], broken = read_whole_records(f, self._offsets.get(f, 0), compat, parse, out, limit=limit,
                                                       final=final, what="a TensorBoard event",
-                                                      writer="its writer")
+                                                      writer="its writer", resync=compat.resync)
         if broken:
             self._broken.add(f)
