@@ -4,7 +4,9 @@
         poll = run.poll(final=True)      # history scalars since the previous poll, config, the exit
 
 History rows give each numeric item at the row's `_step` and `_timestamp` (W&B's own `_`-keys are left
-out; a nested dict's items are named `parent.child`, as W&B shows them); the run's config and later
+out; a nested dict's items are named `parent.child`, as W&B shows them), or, for an item `define_metric` gave
+a step metric (transformers' WandbCallback: every metric against `train/global_step`), at that metric's value
+in the row, as W&B's charts show it; the run's config and later
 config updates become params; the exit record ends the run (FAILED on a non-zero exit code). After a corrupt
 chunk, reading goes on at the next chunk that passes its CRC (`compat_wandb.resync`): only the damaged records
 are lost.
@@ -12,6 +14,7 @@ are lost.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from pathlib import Path
@@ -53,6 +56,9 @@ class WandbRun:
         self._offset: int | None = None  # None: the header is not read yet
         self._broken = False
         self._ended: str | None = None
+        self._step_metric: dict[str, str] = {}  # define_metric(name, step_metric=...)
+        self._step_globs: list[tuple[str, str]] = []  # define_metric("train/*", step_metric=...), in order
+        self._steps_of: dict[str, str | None] = {}  # a history key -> its step metric (None: W&B's _step)
 
     def poll(self, *, final: bool, limit: int = 1 << 62) -> Poll:
         out = Poll()
@@ -92,6 +98,13 @@ class WandbRun:
             out.params.update(_config(run.config.update))
         elif kind == "config":
             out.params.update(_config(rec.config.update))
+        elif kind == "metric" and rec.metric.step_metric:
+            m = rec.metric
+            if m.glob_name:
+                self._step_globs.append((m.glob_name, m.step_metric))
+            else:
+                self._step_metric[m.name] = m.step_metric
+            self._steps_of.clear()
         elif kind == "exit":
             self._ended = "FINISHED" if rec.exit.exit_code == 0 else "FAILED"
 
@@ -103,7 +116,17 @@ class WandbRun:
         ts = values.get("_timestamp")
         ms = int(ts * 1000) if isinstance(ts, (int, float)) and math.isfinite(ts) else 0
         for key, v in _numbers(values):
-            out.points.append((key, int(step), ms, v))
+            out.points.append((key, self._step(key, values, step), ms, v))
+
+    def _step(self, key: str, values: dict[str, object], default) -> int:
+        """`key`'s step in this row: its step metric's value where define_metric gave it one and the row has
+        it (a later definition wins, as in W&B), else the row's `_step`."""
+        if key not in self._steps_of:
+            globs = (sm for glob, sm in reversed(self._step_globs) if fnmatch.fnmatchcase(key, glob))
+            self._steps_of[key] = self._step_metric.get(key) or next(globs, None)
+        x = values.get(self._steps_of[key]) if self._steps_of[key] else None
+        ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        return int(x) if ok else int(default)
 
 
 def _numbers(values: dict[str, object], prefix: str = ""):

@@ -33,19 +33,30 @@ WANDB_SCRIPT = """
 import json, math, sys, wandb
 spec = json.loads(sys.argv[1])
 run = wandb.init(project=spec["project"], config=spec["config"], dir=spec["dir"], name=spec.get("name"))
+sm = spec.get("step_metric")
+if sm:  # as transformers' WandbCallback logs: every metric against sm, W&B's own _step only counts rows
+    run.define_metric(sm)
+    run.define_metric("*", step_metric=sm, step_sync=True)
 for step, row in spec["steps"]:
-    run.log({k: float(v) for k, v in row.items()}, step=step)
+    if sm:
+        run.log({**{k: float(v) for k, v in row.items()}, sm: step})
+    else:
+        run.log({k: float(v) for k, v in row.items()}, step=step)
 run.finish(exit_code=spec.get("exit_code", 0))
 print("FILE=" + run.settings.sync_file)
 """
 
 
 def write_wandb(root: Path, steps: Iterable[tuple[int, Mapping[str, float]]], *, project: str = "proj",
-                config: Mapping[str, object] | None = None, exit_code: int = 0, name: str | None = None) -> Path:
+                config: Mapping[str, object] | None = None, exit_code: int = 0, name: str | None = None,
+                step_metric: str | None = None) -> Path:
     """Log `(step, {key: value})` with wandb offline (a fresh interpreter) under `root`; returns its .wandb file.
+    `step_metric`: the step goes into the row under that name, every metric defined against it (W&B's
+    `define_metric`, as transformers' WandbCallback does with train/global_step), instead of `log(step=)`.
     Non-finite values travel as the strings 'nan', 'inf', '-inf' and are turned back by float()."""
     pytest.importorskip("wandb", reason="the [import] extra (wandb) is not installed")
     spec = {"project": project, "config": dict(config or {}), "dir": str(root), "exit_code": exit_code, "name": name,
+            "step_metric": step_metric,
             "steps": [[s, {k: repr(float(v)) for k, v in row.items()}] for s, row in steps]}
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
            "WANDB_DISABLE_CODE": "true"}

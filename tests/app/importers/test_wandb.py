@@ -103,6 +103,17 @@ def test_a_corrupt_first_record_loses_only_itself(store_uri, tmp_path, capsys):
     assert steps.tolist() == list(range(50))
 
 
+def test_metrics_defined_against_a_step_metric_are_imported_at_its_value(store_uri, tmp_path):
+    # transformers' WandbCallback (TRL): define_metric("*", step_metric="train/global_step"); with logging_steps=10
+    # the rows are W&B's _step 0, 1, 2, ... but the trainer's steps 10, 20, 30, ...: the import keeps the latter
+    write_wandb(tmp_path, ((s, {"train/grad_norm": 1.0 if s != 30 else math.nan}) for s in range(10, 110, 10)),
+                step_metric="train/global_step")
+    assert main(["import", "wandb", str(tmp_path / "wandb"), "--tracking-uri", store_uri]) == 0
+    (run,) = imported_runs(store_uri)
+    gn = load_histories(open_store(store_uri), [run.info.run_id], [keys.GRAD_NORM]).get(run.info.run_id, keys.GRAD_NORM)
+    assert gn.steps.tolist() == list(range(10, 110, 10)) and list(gn.nonfinite().nan) == [30]
+
+
 def test_not_a_wandb_run_is_one_line_naming_the_file(store_uri, tmp_path, capsys):
     run_dir = tmp_path / "wandb" / "run-20261207_000000-abc"
     run_dir.mkdir(parents=True)
