@@ -27,9 +27,15 @@ SOURCE_PIPELINERL = ("PipelineRL's vLLM V0 -> V1 migration: V1 matched V0 only w
 SOURCE_TRL = ("the TRL distillation fix 'reverse-KL server path NaN on variable completion length': with batch x "
               "accumulation > 1, -inf padding reached backward (finite loss, grad_norm NaN from step 1); the fix masks "
               "it as the forward-KL path does")
-# Metrics that cannot be negative: a rate, an entropy, a norm, a mean |delta logprob|, a count.
+# Metrics that cannot be negative: a rate or share, an entropy, a norm, a mean |delta logprob|, a count, an
+# importance ratio or ESS, and the k3 KL new/old (r - 1 - log r >= 0: every alias of it is k3, app/data/aliases_sources;
+# the k1 estimate, policy/kl_new_old_k1, and policy/kl_ref, k1 in some frameworks, can be negative).
 NON_NEGATIVE = frozenset({K.CLIP_RATE, K.CLIP_ACTIVE_RATE, K.CLIP_RATE_SEQ, K.ENTROPY, K.GRAD_NORM,
-                          K.MISMATCH_LOGPROB_MEAN, K.MISMATCH_LOGPROB_MAX, K.BATCH_TOKENS, K.TRL_CLIPPED_RATIO})
+                          K.MISMATCH_LOGPROB_MEAN, K.MISMATCH_LOGPROB_MAX, K.MISMATCH_PROB_MAX,
+                          K.MISMATCH_TOKEN_MULT_PROB_ERROR, K.MISMATCH_LOW_PROB_SHARE, K.BATCH_TOKENS,
+                          K.BATCH_SEQUENCES, K.TRL_CLIPPED_RATIO, K.KL_NEW_OLD, K.POLICY_ESS, K.POLICY_ESS_SEQ,
+                          K.RATIO_MEAN, K.RATIO_MAX, K.RATIO_MIN, K.RATIO_MEAN_SEQ, K.RATIO_MAX_SEQ, K.RATIO_MIN_SEQ,
+                          K.REWARD_STD, K.GRAD_NONFINITE_PARAMS})
 _SEED = ("seed",)
 
 

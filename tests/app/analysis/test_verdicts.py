@@ -43,6 +43,21 @@ def test_no_negative_bound_for_a_clip_rate():
     assert V.range_text(K.LOSS, 0.34, -0.02, 0.02) == "0.34 vs -0.02 to 0.02"  # a loss can be negative
 
 
+def test_no_negative_bound_for_kl_new_old():
+    # the k3 KL new/old (every alias of it is k3) is never negative: an lr change's cause read
+    # "policy/kl_new_old leaves the reference seeds' range at step 1 (0.34 vs -0.004 to 0.006" before
+    mm = [2e-7] * 8
+    h = _h({"a": {K.KL_NEW_OLD: [0.0, 0.002, 0.0, 0.001, 0.0, 0.002, 0.0, 0.001], K.MISMATCH_LOGPROB_MEAN: mm},
+            "b": {K.KL_NEW_OLD: [0.0, 0.0, 0.004, 0.0, 0.003, 0.0, 0.0, 0.002], K.MISMATCH_LOGPROB_MEAN: mm},
+            "cand": {K.KL_NEW_OLD: [0.0, 0.34, 0.35, 0.33, 0.34, 0.36, 0.35, 0.34], K.MISMATCH_LOGPROB_MEAN: mm}})
+    configs = {"a": {"lr": "0.001", "seed": "0"}, "b": {"lr": "0.001", "seed": "1"}, "cand": {"lr": "0.01"}}
+    (rc,) = C.likely_causes(h, configs, ["a", "b"], ["cand"])
+    [kl] = [t for t in rc.first.signature if t.startswith(K.KL_NEW_OLD)]
+    assert re.search(r"\(0\.34 vs 0 to 0\.0\d+", kl), kl
+    assert V.range_text(K.POLICY_ESS, 0.5, -0.1, 0.9) == "0.5 vs 0 to 0.9"
+    assert V.range_text(K.KL_NEW_OLD_K1, 0.3, -0.01, 0.01) == "0.3 vs -0.01 to 0.01"  # k1 can be negative
+
+
 def test_parity_only_of_a_run_at_parity():
     off = V.parity_text(0.498, 1e-4)
     assert off == "mismatch mean 0.498, not at parity (tolerance 1e-04)"
