@@ -31,7 +31,8 @@ Seeds: tuning on 0, 1, 2, ... (per run length), or from `--seeds-from N` (a fres
 tuning seeds, on which every rule was chosen, no longer show what is wrong); the held-out split is HELD_OUT_SEEDS,
 frozen: no detector option may be chosen on it, and it is scored once per detector change (`--held-out`).
 SPENT_HELD_OUT (9100000-9100099) was the held-out split until 2026-12-07: scored after each of six changes, with
-the seeds it flagged named in bench/README.md and read in notes, so it no longer tells what unseen runs would get.
+the seeds it flagged named in bench/README.md (now in its git history) and read in notes, so it no longer tells
+what unseen runs would get.
 """
 
 from __future__ import annotations
