@@ -111,6 +111,12 @@ def run(args: argparse.Namespace) -> int:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: stop.set())
         what = ", ".join(args.experiment) if args.experiment else "all experiments"
+        if args.divergence:  # as every report's header and the Compare page say it: never a silent change of verdicts
+            from rldiag.app.analysis.comparison import options_text
+
+            if (opts := options_text(watcher.detector)) != "defaults":
+                log.info("rldiag watch: divergence verdicts with detector options %s (--detector or $RLDIAG_DETECTOR)",
+                         opts)
         if not args.once:
             extra = [f"JSONL {args.jsonl}"] * bool(args.jsonl) + [repr(s) for s in sinks if isinstance(s, WebhookSink)]
             log.info("rldiag watch: polling %s every %g s (%s); state %s%s", redact_uri(store.uri), interval, what,

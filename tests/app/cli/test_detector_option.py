@@ -45,6 +45,8 @@ def test_report_and_watch_take_detector_options(store_uri, tmp_path):
     watch = _rldiag("watch", "--once", "--divergence", "--tracking-uri", store_uri, "--jsonl", str(jsonl),
                     "--state", str(tmp_path / "state.json"), "--detector", "windows=11,21", cwd=tmp_path)
     assert watch.returncode == 1, watch.stderr  # an alert was sent
+    # the options that changed the verdicts are named, as the report's header names them
+    assert "divergence verdicts with detector options windows=11,21" in watch.stderr, watch.stderr
     events = [json.loads(line) for line in jsonl.read_text().splitlines()]
     [event] = [e for e in events if e.get("kind") == "divergence"]
     assert event["key"] == K.RATIO_MEAN and 95 <= event["step"] <= 105, event
