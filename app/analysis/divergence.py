@@ -261,7 +261,7 @@ class Divergence:
         if status == WITHIN:
             past = (f" to step {self.references_end_step} (the references end there: {self._uncompared_tail()})"
                     if self.steps_after_references else "")
-            if math.isfinite(self.detectable) and self.detectable > 0:
+            if math.isfinite(self.detectable) and self.detectable > 0 and not is_flag(self.key):
                 return f"within the band{past} (a lasting shift under {self.detectable:.3g} would not show)"
             return f"within the band{past}"
         after = (f"; the references end at step {self.references_end_step}: {self._uncompared_tail()}"
@@ -302,12 +302,20 @@ def reference_note(n_references: int, config: DivergenceConfig = DivergenceConfi
             "departure may be seed-to-seed variation. Two or more reference seeds measure it.")
 
 
+# 0/1 flags: any change of one shows, so no "lasting shift under 2.98e-07 on grad/finite would not show"
+FLAGS = frozenset({K.GRAD_FINITE, K.GRAD_FOUND, K.GRAD_SKIPPED, K.GRAD_SCALER_OVERFLOW})
+
+
+def is_flag(key: str) -> bool:
+    return K.canonical_key(key) in FLAGS
+
+
 def detectable_text(verdicts: Sequence[Divergence]) -> str:
     """What "within" verdicts could have missed, the largest per metric: "a lasting shift under 0.05 on
     loss, 0.3 on reward/mean would not show" ("" when none says)."""
     worst: dict[str, float] = {}
     for d in verdicts:
-        if d.status == WITHIN and math.isfinite(d.detectable) and d.detectable > 0:
+        if d.status == WITHIN and math.isfinite(d.detectable) and d.detectable > 0 and not is_flag(d.key):
             worst[d.key] = max(worst.get(d.key, 0.0), d.detectable)
     if not worst:
         return ""

@@ -124,3 +124,16 @@ def test_when_text_says_alert_and_onset_one_way():
     assert when_text(3, 8) == "alerted at step 8 (started about step 3)"
     assert when_text(5, 5) == "at step 5"
     assert when_text(5, None) == "at step 5"
+
+
+def test_no_smallest_shift_is_told_for_a_0_1_flag():
+    # a report read "a lasting shift under 2.98e-07 on grad/finite would not show": any change of a flag shows
+    from rldiag.app.analysis.divergence import Divergence, detectable_text
+
+    def within(key: str) -> Divergence:
+        return Divergence(key, None, None, None, math.nan, math.nan, None, 100, detectable=2.98e-7)
+
+    flag, metric = within(K.GRAD_FINITE), within(K.LOSS)
+    assert flag.evidence == "within the band" and "would not show" in metric.evidence
+    assert detectable_text([flag, metric]) == f"a lasting shift under 2.98e-07 on {K.LOSS} would not show"
+    assert detectable_text([within(K.GRAD_FOUND), within(K.GRAD_SKIPPED)]) == ""
