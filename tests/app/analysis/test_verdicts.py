@@ -9,6 +9,7 @@ import math
 import re
 
 import numpy as np
+import pytest
 
 from rldiag.app.analysis import causes as C
 from rldiag.app.analysis import verdicts as V
@@ -28,34 +29,26 @@ def _h(runs: dict[str, dict[str, list[float]]]) -> Histories:
     return Histories("sqlite:///unused.db", "sql", traces, tuple(runs), {}, {}, {})
 
 
-def test_no_negative_bound_for_a_clip_rate():
-    # two reference seeds with clip rate 0 to 0.004; the candidate at 0.34 after a learning-rate change
+@pytest.mark.parametrize("key", [K.CLIP_RATE, K.KL_NEW_OLD])
+def test_no_negative_bound_for_a_metric_that_cannot_be_negative(key):
+    # two reference seeds at 0 to 0.004; the candidate at 0.34 after a learning-rate change. The k3 KL new/old
+    # (every alias of it is k3) read "policy/kl_new_old leaves ... (0.34 vs -0.004 to 0.006" before
     mm = [2e-7] * 8
-    h = _h({"a": {K.CLIP_RATE: [0.0, 0.002, 0.0, 0.001, 0.0, 0.002, 0.0, 0.001], K.MISMATCH_LOGPROB_MEAN: mm},
-            "b": {K.CLIP_RATE: [0.0, 0.0, 0.004, 0.0, 0.003, 0.0, 0.0, 0.002], K.MISMATCH_LOGPROB_MEAN: mm},
-            "cand": {K.CLIP_RATE: [0.0, 0.34, 0.35, 0.33, 0.34, 0.36, 0.35, 0.34], K.MISMATCH_LOGPROB_MEAN: mm}})
+    h = _h({"a": {key: [0.0, 0.002, 0.0, 0.001, 0.0, 0.002, 0.0, 0.001], K.MISMATCH_LOGPROB_MEAN: mm},
+            "b": {key: [0.0, 0.0, 0.004, 0.0, 0.003, 0.0, 0.0, 0.002], K.MISMATCH_LOGPROB_MEAN: mm},
+            "cand": {key: [0.0, 0.34, 0.35, 0.33, 0.34, 0.36, 0.35, 0.34], K.MISMATCH_LOGPROB_MEAN: mm}})
     configs = {"a": {"lr": "0.001", "seed": "0"}, "b": {"lr": "0.001", "seed": "1"}, "cand": {"lr": "0.01"}}
     (rc,) = C.likely_causes(h, configs, ["a", "b"], ["cand"])
     assert rc.first.id == "optimizer"
-    [clip] = [t for t in rc.first.signature if t.startswith(K.CLIP_RATE)]
-    assert re.search(r"\(0\.34 vs 0 to 0\.0\d+", clip), clip
+    [text] = [t for t in rc.first.signature if t.startswith(key)]
+    assert re.search(r"\(0\.34 vs 0 to 0\.0\d+", text), text
+
+
+def test_range_text_bounds():
     assert V.range_text(K.CLIP_RATE, 0.34, -0.02, 0.02) == "0.34 vs 0 to 0.02"
-    assert V.range_text(K.LOSS, 0.34, -0.02, 0.02) == "0.34 vs -0.02 to 0.02"  # a loss can be negative
-
-
-def test_no_negative_bound_for_kl_new_old():
-    # the k3 KL new/old (every alias of it is k3) is never negative: an lr change's cause read
-    # "policy/kl_new_old leaves the reference seeds' range at step 1 (0.34 vs -0.004 to 0.006" before
-    mm = [2e-7] * 8
-    h = _h({"a": {K.KL_NEW_OLD: [0.0, 0.002, 0.0, 0.001, 0.0, 0.002, 0.0, 0.001], K.MISMATCH_LOGPROB_MEAN: mm},
-            "b": {K.KL_NEW_OLD: [0.0, 0.0, 0.004, 0.0, 0.003, 0.0, 0.0, 0.002], K.MISMATCH_LOGPROB_MEAN: mm},
-            "cand": {K.KL_NEW_OLD: [0.0, 0.34, 0.35, 0.33, 0.34, 0.36, 0.35, 0.34], K.MISMATCH_LOGPROB_MEAN: mm}})
-    configs = {"a": {"lr": "0.001", "seed": "0"}, "b": {"lr": "0.001", "seed": "1"}, "cand": {"lr": "0.01"}}
-    (rc,) = C.likely_causes(h, configs, ["a", "b"], ["cand"])
-    [kl] = [t for t in rc.first.signature if t.startswith(K.KL_NEW_OLD)]
-    assert re.search(r"\(0\.34 vs 0 to 0\.0\d+", kl), kl
     assert V.range_text(K.POLICY_ESS, 0.5, -0.1, 0.9) == "0.5 vs 0 to 0.9"
-    assert V.range_text(K.KL_NEW_OLD_K1, 0.3, -0.01, 0.01) == "0.3 vs -0.01 to 0.01"  # k1 can be negative
+    assert V.range_text(K.LOSS, 0.34, -0.02, 0.02) == "0.34 vs -0.02 to 0.02"  # a loss can be negative
+    assert V.range_text(K.KL_NEW_OLD_K1, 0.3, -0.01, 0.01) == "0.3 vs -0.01 to 0.01"  # the k1 KL can be negative
 
 
 def test_parity_only_of_a_run_at_parity():
