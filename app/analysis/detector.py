@@ -92,17 +92,18 @@ def spacing(pos: np.ndarray) -> int:
 
 def scan(r: np.ndarray, cand_bad: np.ndarray, cand_resid_scale: np.ndarray, noise: NoiseModel,
          config, cand_abs_diff: np.ndarray | None = None, zero_ind: np.ndarray | None = None,
-         zeros: ZeroRate | None = None, zero_rate: np.ndarray | None = None) -> list[Stretch]:
+         zeros: ZeroRate | None = None, zero_rate: np.ndarray | None = None,
+         level: np.ndarray | None = None) -> list[Stretch]:
     """Every departure of the residual `r` (candidate - centre, compared scale) in order of time.
 
     `cand_bad`: candidate non-finite where a reference is finite; `cand_resid_scale`: trailing robust
     scale of the candidate's first differences (for variance departures); `zero_ind` (two-part
     comparison, with `zeros`): the candidate's 0/1 exact-zero indicator, `zero_rate` the references'
-    rate at its steps."""
+    rate at its steps. `level`: `level_residual(r, noise, config)` where the caller has it already."""
     n = len(r)
     full_r = r
     keep = np.flatnonzero(np.isfinite(r)) if noise.fill < 1 else None  # level windows count points
-    r = level_residual(r, noise, config)
+    r = level_residual(r, noise, config) if level is None else level
     medians: dict[int, np.ndarray] = {}
 
     def trailing(m: int) -> np.ndarray:  # the change test reuses the level windows' medians
@@ -211,14 +212,14 @@ def level_residual(r: np.ndarray, noise: NoiseModel, config) -> np.ndarray:
     return clean_impulses(x, thinned_phi(noise.phi, noise.fill), noise.innov_sd, config.impulse_clip)
 
 
-def detectable_shift(r: np.ndarray, noise: NoiseModel, config) -> float:
+def detectable_shift(r: np.ndarray, noise: NoiseModel, config, level: np.ndarray | None = None) -> float:
     """The smallest lasting shift (compared scale) that some test of `scan` flags, in either direction,
     given where the candidate sits now: a level window (the longest that fills) flags a shift once it
     crosses the far side of its bar, so one against the candidate's own offset from the centre needs that
     offset more; a change test (one whose two windows fill) needs its bar in its own sd, and the level
     it reports on past half its bar. A candidate 0.9 noise sd above the centre that falls by 3 sd ends
     2.1 sd below it: under the level bar, and for the change test a step the seeds' wander can make."""
-    x = level_residual(r, noise, config)
+    x = level_residual(r, noise, config) if level is None else level
     x = x[np.isfinite(x)]
     n = len(x)
     windows = list(config.windows)

@@ -49,6 +49,7 @@ from rldiag.app.analysis.detector import (
     dequantise,
     detectable_shift,
     finite_values,
+    level_residual,
     quiet,
     reference_model,
     rolling,
@@ -226,8 +227,11 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
     needed = config.min_steps if zeros is None else int(np.ceil(config.min_steps / model.noise.fill))
     with quiet():
         cand_scale = candidate_scale(ct, config.var_window, carry=is_zero)
+        # cleaned once for the scan and the smallest shift (`clean_impulses`: most of a detection's time for a
+        # candidate drifting far from its references, an impulse at most of its steps)
+        level = level_residual(r, model.noise, config)
         stretches = scan(r, cand_bad, cand_scale, model.noise, config, abs_diffs(ct, carry=is_zero),
-                         zero_ind, zeros, zeros.rate[pos] if zeros is not None else None)
+                         zero_ind, zeros, zeros.rate[pos] if zeros is not None else None, level=level)
     deps = []
     center_m = _inverse(model, center_t)
     level_cand = cand if zeros is None else np.where(is_zero, np.nan, cand)  # two-part: the level is the positive values'
@@ -264,7 +268,7 @@ def detect_divergence(references: Trace | Sequence[Trace], candidate: Trace,
                               c_level, ref_level, delta, dsig))
     # the smallest lasting shift a test that fills at this length flags, against where the candidate sits
     # (a 60-step candidate never fills the 129-step window, so its bar would understate what is missed)
-    bar = detectable_shift(r, model.noise, config)
+    bar = detectable_shift(r, model.noise, config, level=level)
     with quiet():
         detectable = float(np.nanmedian(np.abs(_inverse(model, center_t + bar) - center_m))) if len(steps) else float("nan")
     ref_end = int(model.steps[-1]) if len(model.steps) else None

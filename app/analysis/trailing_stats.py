@@ -13,6 +13,7 @@ Why:
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
@@ -134,6 +135,7 @@ def ar1_filter(e: np.ndarray, phi: float) -> np.ndarray:
 # An innovation beyond the clip is judged by the next one (`_impulse_cuts`) only where that one is itself out of
 # the noise (beyond this many innovation sd); else it is taken for a jump, whose next innovation is ordinary
 KIND_SD = 3.0
+IMPULSE_CHUNK = 512  # positions a shifted level's impulses are looked for at a time (`_impulse_cuts`)
 KIND_STEPS = 8  # a jump is taken for a shift if the next (up to 8) innovations add up to a shift's beyond KIND_SD
 
 
@@ -148,47 +150,70 @@ def _impulse_cuts(u: np.ndarray, alone: np.ndarray, phi: float, ar: float, lim: 
     a rounding-level metric read as a 10-sd one).
     Causal: step t's output depends on the innovations up to t. A loop over the impulses alone."""
     n = len(u)
-    adj = np.where(alone, ar, 1.0 - phi)  # what a shift of 1 adds to each later innovation
-    unit = np.where(alone, ar, 1.0)  # an impulse's innovation per unit of the residual
+    q = 1.0 - phi  # what a shift of 1 adds to each later innovation (ar after a gap)
     out, back = np.zeros(n), np.zeros(n)  # back: a spike's way back, explained in the next innovation
     with quiet():
-        hits = np.flatnonzero(np.abs(u) > lim)
+        hits0 = np.flatnonzero(np.abs(u) > lim)  # the impulses at level 0
+    if not len(hits0):
+        return out
+    # Positions are visited in increasing order and `back` is written only at the next one, so wherever the
+    # hits are found again (after a shift, or back at level 0) every later `back` is still 0: at level 0 they
+    # are `hits0`'s later ones; after a shift they are found a chunk at a time, as the loop reaches them (found
+    # over the whole rest at each shift, a drifting candidate far from its references, an impulse at most of
+    # its steps and a shift at many, took 0.15-0.3 s a detection). Python floats where there are many impulses
+    # (a numpy scalar read is several times slower than a list's).
+    ul, alonel = (u.tolist(), alone.tolist()) if len(hits0) > 256 else (u, alone)
+    h0 = hits0.tolist()
+    backd: dict[int, float] = {}
     jumps: list[tuple[int, float, float, float]] = []
-    level, i = 0.0, 0
-    while i < len(hits):
-        s = int(hits[i])
-        i += 1
-        if level and abs(u[s] + back[s]) <= lim:  # back where it was before the shift (or it was none)
-            level = 0.0
-            with quiet():
-                hits, i = s + 1 + np.flatnonzero(np.abs(u[s + 1:] + back[s + 1:]) > lim), 0
+    level, hits, i, found_to = 0.0, h0, 0, n  # hits holds every impulse of this level from hits[i] to found_to
+
+    def refill(start: int) -> tuple[list[int], int]:  # the impulses at `level` in the next chunk from `start`
+        end = min(n, start + IMPULSE_CHUNK)
+        with quiet():
+            w = u[start:end] - level * np.where(alone[start:end], ar, q)
+            return (start + np.flatnonzero(np.abs(w) > lim)).tolist(), end
+
+    while True:
+        if i >= len(hits):
+            if found_to >= n:
+                break
+            (hits, found_to), i = refill(found_to), 0
             continue
-        a = float(u[s] - level * adj[s] + back[s])
+        s = hits[i]
+        i += 1
+        bs = backd.get(s, 0.0)
+        if level and abs(ul[s] + bs) <= lim:  # back where it was before the shift (or it was none)
+            level, hits, i, found_to = 0.0, h0, bisect.bisect_right(h0, s), n
+            continue
+        a = ul[s] - level * (ar if alonel[s] else q) + bs
         if not abs(a) > lim or s + 1 >= n:
             continue
-        scale = float(unit[s])
+        scale = ar if alonel[s] else 1.0
         cut, size = (a - max(-lim, min(lim, a))) / scale, a / scale
-        v = float(u[s + 1] - level * adj[s + 1] + back[s + 1])
-        if alone[s + 1] or not math.isfinite(v):
+        v = ul[s + 1] - level * (ar if alonel[s + 1] else q) + backd.get(s + 1, 0.0)
+        if alonel[s + 1] or not math.isfinite(v):
             continue  # nothing after it to tell what it was: left as it is
         # a shift is told from a jump in one step only where (1 - phi) of it is beyond the clip: at phi 0.8-0.85
         # a 12-sd jump's next innovation was 3-4 sd (the noise plus phi's error times it), nearer a shift's 4.4
         saturated = (1.0 - phi) * abs(size) > lim
-        spike, shift = abs(v + phi * size), abs(v - (1.0 - phi) * size) if saturated else np.inf
+        spike, shift = abs(v + phi * size), abs(v - (1.0 - phi) * size) if saturated else math.inf
         if abs(v) <= KIND_SD * innov_sd or min(spike, shift) >= abs(v):
             out[s + 1] += phi * cut  # a jump: its echo comes out from the next step on
             jumps.append((s, cut, size, level))
         elif spike <= shift:
-            back[s + 1] += phi * size  # what is left of the next innovation may be an impulse of its own
+            backd[s + 1] = backd.get(s + 1, 0.0) + phi * size  # the next innovation may be an impulse of its own
+            while i >= len(hits) and found_to < n:  # the next impulse found, to compare with
+                (hits, found_to), i = refill(found_to), 0
             if abs(v + phi * size) > lim and (i >= len(hits) or hits[i] != s + 1):
-                hits = np.insert(hits, i, s + 1)
+                hits.insert(i, s + 1)
         else:  # a shift so large that each later innovation is out by itself
             level += size
-            with quiet():
-                w = u[s + 1:] - level * adj[s + 1:] + back[s + 1:]
-                hits, i = s + 1 + np.flatnonzero(np.abs(w) > lim), 0
+            hits, i, found_to = [], 0, s + 1
+    for t, x in backd.items():
+        back[t] = x
     if jumps:
-        _shift_after_all(out, jumps, u, adj, back, alone, phi, innov_sd)
+        _shift_after_all(out, jumps, u, np.where(alone, ar, q), back, alone, phi, innov_sd)
     return out
 
 
