@@ -51,8 +51,11 @@ def _series(rng: np.random.Generator, n: int, phi: float, positive: bool) -> np.
     return np.exp(-2 + 0.4 * x) if positive else 10 + x
 
 
-def histories(n_refs: int, n_cands: int, n_keys: int, n: int = N_STEPS, seed: int = 0) -> tuple[Histories, list, list]:
-    """In-memory histories: `n_refs` reference seeds and `n_cands` candidates, `n_keys` metrics of `n` steps."""
+def histories(n_refs: int, n_cands: int, n_keys: int, n: int = N_STEPS, seed: int = 0,
+              drift: bool = False) -> tuple[Histories, list, list]:
+    """In-memory histories: `n_refs` reference seeds and `n_cands` candidates, `n_keys` metrics of `n` steps;
+    `drift`: every run also wanders as a random walk of its own (steps of 0.5 noise sd: seeds that part by
+    hundreds of sd over 100k steps, each candidate far from its reference most of the time)."""
     rng = np.random.default_rng(seed)
     steps = np.arange(n, dtype=np.int64)
     refs = [f"ref{j}" for j in range(n_refs)]
@@ -62,6 +65,9 @@ def histories(n_refs: int, n_cands: int, n_keys: int, n: int = N_STEPS, seed: in
         key, phi, positive = f"m{k}", (0.0, 0.3, 0.6, 0.85)[k % 4], k % 2 == 1
         for run in refs + cands:
             v = _series(rng, n, phi, positive)
+            if drift:
+                walk = np.cumsum(rng.normal(0, 0.5, n))
+                v = v * np.exp(0.4 * walk) if positive else v + walk
             j = cands.index(run) if run in cands else -1
             change = j % 4 if j >= 0 else -1  # 0 none, 1 shift, 2 variance, 3 NaN
             if change == 1:
@@ -122,8 +128,8 @@ def _timed(compare, ref_model, config, h, refs, cands) -> tuple[float, dict]:
     return time.perf_counter() - t0, found
 
 
-def time_case(n_refs: int, n_cands: int, n_keys: int, repeats: int = 1, before=None) -> dict:
-    h, refs, cands = histories(n_refs, n_cands, n_keys)
+def time_case(n_refs: int, n_cands: int, n_keys: int, repeats: int = 1, before=None, drift: bool = False) -> dict:
+    h, refs, cands = histories(n_refs, n_cands, n_keys, drift=drift)
     took, took_before, prints_before, found_b = [], [], set(), {}
     for _ in range(repeats):
         if before is not None:  # alternate, so that both see the same load on a shared machine
@@ -159,11 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.before = None if args.before in ("", "none") else args.before
     before = before_modules(args.before) if args.before else None
-    cases = ({"1 reference": (1, 9, 8), "3 references": (3, 9, 8)} if args.full
-             else {"3 references": (3, 3, 2)})
+    # drifting runs: impulse cleaning made them 9x slower (3e5f29a) while the stationary cases did not move
+    cases = ({"1 reference": (1, 9, 8, False), "3 references": (3, 9, 8, False),
+              "1 reference, drifting": (1, 9, 8, True)} if args.full
+             else {"3 references": (3, 3, 2, False), "1 reference, drifting": (1, 3, 2, True)})
     res = {}
-    for name, (r, c, k) in cases.items():
-        res[name] = r = time_case(r, c, k, args.repeats, before)
+    for name, (r, c, k, drift) in cases.items():
+        res[name] = r = time_case(r, c, k, args.repeats, before, drift)
         extra = (f"  before ({args.before}) {r['before_seconds']:7.2f} s, {r['before_seconds'] / r['seconds']:.1f}x,"
                  f" {verdicts_said(r, args.before)}" if before else "")
         print(f"{name:22} {r['pairs']:3} pairs  {r['seconds']:7.2f} s  {r['diverged']} diverged  "
