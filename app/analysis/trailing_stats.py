@@ -151,20 +151,20 @@ def _impulse_cuts(u: np.ndarray, alone: np.ndarray, phi: float, ar: float, lim: 
     Causal: step t's output depends on the innovations up to t. A loop over the impulses alone."""
     n = len(u)
     q = 1.0 - phi  # what a shift of 1 adds to each later innovation (ar after a gap)
-    out, back = np.zeros(n), np.zeros(n)  # back: a spike's way back, explained in the next innovation
+    out = np.zeros(n)
     with quiet():
         hits0 = np.flatnonzero(np.abs(u) > lim)  # the impulses at level 0
     if not len(hits0):
         return out
-    # Positions are visited in increasing order and `back` is written only at the next one, so wherever the
-    # hits are found again (after a shift, or back at level 0) every later `back` is still 0: at level 0 they
+    # Positions are visited in increasing order and `backd` is written only at the next one, so wherever the
+    # hits are found again (after a shift, or back at level 0) every later `backd` is still 0: at level 0 they
     # are `hits0`'s later ones; after a shift they are found a chunk at a time, as the loop reaches them (found
     # over the whole rest at each shift, a drifting candidate far from its references, an impulse at most of
     # its steps and a shift at many, took 0.15-0.3 s a detection). Python floats where there are many impulses
     # (a numpy scalar read is several times slower than a list's).
     ul, alonel = (u.tolist(), alone.tolist()) if len(hits0) > 256 else (u, alone)
     h0 = hits0.tolist()
-    backd: dict[int, float] = {}
+    backd: dict[int, float] = {}  # a spike's way back, explained in the next innovation (step -> residual units)
     jumps: list[tuple[int, float, float, float]] = []
     level, hits, i, found_to = 0.0, h0, 0, n  # hits holds every impulse of this level from hits[i] to found_to
 
@@ -210,9 +210,9 @@ def _impulse_cuts(u: np.ndarray, alone: np.ndarray, phi: float, ar: float, lim: 
         else:  # a shift so large that each later innovation is out by itself
             level += size
             hits, i, found_to = [], 0, s + 1
-    for t, x in backd.items():
-        back[t] = x
     if jumps:
+        back = np.zeros(n)
+        back[list(backd)] = list(backd.values())
         _shift_after_all(out, jumps, u, np.where(alone, ar, q), back, alone, phi, innov_sd)
     return out
 
